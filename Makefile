@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine: `make demo` (main job) and `make test`.
+# Each creates .venv, installs the CPU build of torch first (a bare torch requirement would pull a
+# multi-GB CUDA build), then tierstore in editable mode.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(BIN)/tierstore demo
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest
+
+# Benchmarks need fio (Debian package) on the machine; run as root to let it be installed.
+bench: $(VENV)/.runtime
+	command -v fio >/dev/null || (apt-get update && apt-get install -y fio)
+	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
+
+clean:
+	rm -rf $(VENV) *.egg-info tierstore-data bench-data

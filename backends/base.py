@@ -1,0 +1,220 @@
+"""The backend contract: named, byte-addressed objects on one storage medium.
+
+A backend knows nothing of tensors, tiers or caching. It stores objects (flat names, raw bytes)
+and moves byte ranges between them and caller buffers. Its life cycle:
+
+1. **open**: the constructor receives validated options (:attr:`Backend.Options`), creates or
+   checks its medium and raises :class:`~tierstore.errors.UnwritablePathError` if it cannot
+   write there. Use :func:`tierstore.backends.open_backend` to open one from a URL or dict.
+2. **use**: :meth:`~Backend.write` and :meth:`~Backend.read_into` return futures and may be
+   called from any thread, any number at once, for different objects. The caller keeps the buffer
+   alive and unchanged until the future resolves. Concurrent writes to the *same* object are not
+   supported (the store never issues them).
+3. **close**: :meth:`~Backend.close` waits for I/O in flight and releases resources; every call
+   afterwards raises :class:`~tierstore.errors.StoreClosedError`.
+
+Object semantics are those of a file: ``write`` creates the object if needed and grows it to
+``max(size, offset + len(data))``; ``read_into`` fills the whole buffer or raises
+:class:`~tierstore.errors.OutOfRangeError`. Offsets must be multiples of :attr:`Capabilities.alignment`
+(lengths need not be: the backend handles a partial last block); buffers may have any address (a backend with direct I/O bounces unaligned buffers through aligned ones, which costs a
+copy, so give it aligned buffers).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import (
+    AlignmentError,
+    BufferMismatchError,
+    InvalidKeyError,
+    OutOfRangeError,
+    StoreClosedError,
+    config_error_from_validation,
+)
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+"""Valid object names: flat, portable file names that cannot escape a root directory."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the store plans its I/O around these, never around backend types."""
+
+    alignment: int = 1
+    """Offsets and lengths (except at an object's end) must be multiples of this."""
+    chunk_bytes: int | None = None
+    """Preferred size of one request; large transfers should be multiples of it."""
+    partial_writes: bool = True
+    """``write`` at an offset into an existing object is supported."""
+    persistent: bool = False
+    """Objects survive the process (False for memory backends)."""
+    direct_io: bool = False
+    """Transfers bypass the operating system's page cache."""
+
+
+class BackendOptions(BaseModel):
+    """Base of every backend's options; unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Backend(ABC):
+    """Abstract base of all backends (see the module docstring for the life cycle).
+
+    Subclasses implement the underscored hooks; the public methods check names, alignment,
+    ranges and the closed state once, here, so every backend rejects bad input the same way.
+    """
+
+    scheme: ClassVar[str]
+    """URL scheme and registry name, e.g. ``"nvme"``."""
+    Options: ClassVar[type[BackendOptions]] = BackendOptions
+
+    def __init__(self, options: BackendOptions) -> None:
+        self.options = options
+        self._closed = False
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], *, where: str = "backend") -> Backend:
+        """Validate ``options`` against :attr:`Options` and open the backend."""
+        try:
+            validated = cls.Options.model_validate(dict(options))
+        except ValidationError as error:
+            raise config_error_from_validation(error, where) from None
+        return cls(validated)
+
+    @classmethod
+    def options_from_url(cls, location: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """Map the part of a URL after ``scheme://`` (and its query) to option fields."""
+        return {"path": location, **query} if location else dict(query)
+
+    # -- capabilities -----------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """This instance's capabilities (they may depend on options and on the medium)."""
+
+    # -- data path --------------------------------------------------------------------------------
+    def write(self, name: str, offset: int, data: Any) -> Future[None]:
+        """Write the bytes of ``data`` (any buffer) at ``offset`` of object ``name``."""
+        self._check_open()
+        check_name(name)
+        view = memoryview(data).cast("B")
+        self._check_aligned(name, offset)
+        if offset and not self.capabilities.partial_writes:
+            raise AlignmentError(f"{self.scheme}: object {name!r} can only be written from offset 0")
+        return self._write(name, offset, view)
+
+    def read_into(self, name: str, offset: int, out: Any) -> Future[None]:
+        """Fill the writable buffer ``out`` with the object's bytes starting at ``offset``."""
+        self._check_open()
+        check_name(name)
+        view = memoryview(out).cast("B")
+        if view.readonly:
+            raise BufferMismatchError("read_into needs a writable buffer")
+        self._check_aligned(name, offset)
+        size = self._size(name)
+        if offset < 0 or offset + view.nbytes > size:
+            raise OutOfRangeError(
+                f"{self.scheme}: bytes [{offset}, {offset + view.nbytes}) are outside object "
+                f"{name!r} of {size} bytes"
+            )
+        return self._read_into(name, offset, view)
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def delete(self, name: str) -> None:
+        """Remove an object; raises :class:`~tierstore.errors.KeyNotFoundError` if absent."""
+        self._check_open()
+        check_name(name)
+        self._delete(name)
+
+    def exists(self, name: str) -> bool:
+        self._check_open()
+        check_name(name)
+        return self._exists(name)
+
+    def size(self, name: str) -> int:
+        """Size in bytes; raises :class:`~tierstore.errors.KeyNotFoundError` if absent."""
+        self._check_open()
+        check_name(name)
+        return self._size(name)
+
+    def list(self) -> list[str]:
+        """Names of all objects, sorted."""
+        self._check_open()
+        return sorted(self._list())
+
+    # -- life cycle -------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for I/O in flight, release resources. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r})"
+
+    # -- hooks for subclasses -----------------------------------------------------------------------
+    @abstractmethod
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]: ...
+
+    @abstractmethod
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]: ...
+
+    @abstractmethod
+    def _delete(self, name: str) -> None: ...
+
+    @abstractmethod
+    def _exists(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def _size(self, name: str) -> int: ...
+
+    @abstractmethod
+    def _list(self) -> list[str]: ...
+
+    def _close(self) -> None:
+        """Release resources; called once."""
+
+    # -- checks -----------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self.scheme} backend is closed")
+
+    def _check_aligned(self, name: str, offset: int) -> None:
+        alignment = self.capabilities.alignment
+        if offset < 0 or offset % alignment:
+            raise AlignmentError(
+                f"{self.scheme}: offset {offset} into {name!r} is not a non-negative multiple "
+                f"of the backend's alignment ({alignment})"
+            )
+
+
+def check_name(name: str) -> None:
+    """Raise :class:`~tierstore.errors.InvalidKeyError` unless ``name`` is a valid object name."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise InvalidKeyError(
+            f"invalid object name {name!r}: use 1-200 characters from [A-Za-z0-9._-], "
+            "not starting with '.' or '-'"
+        )

@@ -1,0 +1,1 @@
+"""Integrations of tierstore into training frameworks."""

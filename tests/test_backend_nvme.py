@@ -1,0 +1,97 @@
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from tierstore.backends import Backend, open_backend
+from tierstore.backends import nvme
+from tierstore.backends.nvme import NvmeBackend
+from tierstore.errors import ConfigError, UnwritablePathError
+from tierstore.testing import BackendTests
+
+
+class TestNvmeBackend(BackendTests):
+    """Small chunks and a shallow queue so chunk edges and queueing are exercised on small data."""
+
+    def open(self, root: Path) -> Backend:
+        return open_backend(f"nvme://{root}?queue_depth=4&chunk_bytes=65536")
+
+    def raw_get(self, backend: Backend, name: str) -> bytes:
+        assert isinstance(backend, NvmeBackend)
+        return (backend.root / name).read_bytes()
+
+    def raw_set(self, backend: Backend, name: str, data: bytes) -> None:
+        assert isinstance(backend, NvmeBackend)
+        (backend.root / name).write_bytes(data)
+
+
+class TestNvmeBufferedBackend(TestNvmeBackend):
+    """The buffered fallback path must honour the same contract."""
+
+    def open(self, root: Path) -> Backend:
+        return open_backend({"type": "nvme", "path": root, "direct": False, "chunk_bytes": "64KiB"})
+
+
+def test_direct_io_is_used_where_accepted(tmp_path: Path) -> None:
+    with open_backend({"type": "nvme", "path": tmp_path}) as backend:
+        assert isinstance(backend, NvmeBackend)
+        assert backend.direct and backend.capabilities.direct_io
+        assert backend.capabilities.alignment == 4096
+
+
+def test_files_are_owner_only(tmp_path: Path) -> None:
+    with open_backend({"type": "nvme", "path": tmp_path / "d"}) as backend:
+        backend.write("x", 0, b"abc").result()
+        assert (tmp_path / "d").stat().st_mode & 0o777 == 0o700
+        assert (tmp_path / "d" / "x").stat().st_mode & 0o777 == 0o600
+
+
+def _refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def fake_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & nvme.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvme.os, "open", fake_open)
+
+
+def test_falls_back_to_buffered_io_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _refuse_o_direct(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="refuses O_DIRECT"):
+        backend = open_backend({"type": "nvme", "path": tmp_path})
+    with backend:
+        assert isinstance(backend, NvmeBackend) and not backend.direct
+        backend.write("x", 0, b"hello").result()
+        out = bytearray(5)
+        backend.read_into("x", 0, out).result()
+        assert out == b"hello"
+
+
+def test_direct_required_but_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _refuse_o_direct(monkeypatch)
+    with pytest.raises(ConfigError, match="O_DIRECT"):
+        open_backend({"type": "nvme", "path": tmp_path, "direct": True})
+
+
+def test_unwritable_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(UnwritablePathError, match="cannot write"):
+        open_backend({"type": "nvme", "path": blocker / "sub"})
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"queue_depth": 0}, "queue_depth"),
+        ({"chunk_bytes": 1000}, "chunk_bytes"),
+        ({"chunk_bytes": "lots"}, "chunk_bytes"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_options_name_the_field(tmp_path: Path, options: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        open_backend({"type": "nvme", "path": tmp_path, **options})

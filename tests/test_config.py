@@ -1,0 +1,88 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import ConfigError, TierStore, UnwritablePathError, default_config, load_config
+
+
+def nvme_config(path: Path, **cache: object) -> dict[str, object]:
+    return {"cache": {"budget": "1MiB", **cache}, "tiers": [{"name": "nvme", "backend": f"nvme://{path}"}]}
+
+
+def test_dict_json_and_toml_configs_are_equivalent(tmp_path: Path) -> None:
+    as_dict = nvme_config(tmp_path / "data", policy="write-through")
+    (tmp_path / "c.json").write_text(json.dumps(as_dict))
+    (tmp_path / "c.toml").write_text(
+        f'[cache]\nbudget = "1MiB"\npolicy = "write-through"\n\n'
+        f'[[tiers]]\nname = "nvme"\nbackend = "nvme://{tmp_path / "data"}"\n'
+    )
+    loaded = [load_config(as_dict), load_config(tmp_path / "c.json"), load_config(str(tmp_path / "c.toml"))]
+    assert loaded[0] == loaded[1] == loaded[2]
+    assert loaded[0].cache.budget == 1 << 20
+
+
+def test_store_from_config_file(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text(json.dumps(nvme_config(tmp_path / "data", policy="write-through")))
+    with TierStore.from_config(tmp_path / "c.json") as store:
+        store["x"] = torch.arange(5)
+        assert store.info("x").tier == "nvme"
+        assert len(list((tmp_path / "data").iterdir())) == 1
+
+
+def test_embedded_default_config_is_valid() -> None:
+    config = load_config(default_config())
+    assert config.tiers[0].name == "nvme" and config.cache.budget == 256 << 20
+
+
+def test_backend_given_as_table(tmp_path: Path) -> None:
+    config = {"tiers": [{"name": "fast", "backend": {"type": "nvme", "path": str(tmp_path), "queue_depth": 2}}]}
+    with TierStore.from_config(config) as store:
+        assert store.tiers[0].backend.options.queue_depth == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({}, r"config\.tiers: Field required"),
+        ({"tiers": []}, r"config\.tiers: List should have at least 1 item"),
+        ({"tiers": [{"name": "a", "backend": "dram://"}], "cache": {"budget": "lots"}}, r"cache\.budget"),
+        ({"tiers": [{"name": "a", "backend": "dram://"}], "cache": {"policy": "sometimes"}}, r"cache\.policy"),
+        ({"tiers": [{"name": "a", "backend": "dram://"}], "extra": 1}, r"config\.extra: Extra inputs"),
+        ({"tiers": [{"name": "a/b", "backend": "dram://"}]}, r"tiers\.0\.name"),
+        ({"tiers": [{"name": "a", "backend": "dram://"}] * 2}, r"tier names must be unique; repeated: a"),
+        ({"tiers": [{"name": "a"}]}, r"tiers\.0\.backend: Field required"),
+        ({"tiers": [{"name": "a", "backend": "warp:///x"}]}, r"unknown backend 'warp'"),
+        ({"tiers": [{"name": "a", "backend": "no-scheme"}]}, r"tiers\.0\.backend: 'no-scheme' is not a backend URL"),
+        ({"tiers": [{"name": "a", "backend": {"path": "/x"}}]}, r"tiers\.0\.backend\.type: missing"),
+        ({"tiers": [{"name": "a", "backend": "nvme:///x?queue_depth=0"}]}, r"tiers\.0\.backend\.queue_depth"),
+        ({"tiers": [{"name": "a", "backend": "dram://?size=3"}]}, r"tiers\.0\.backend\.size: Extra inputs"),
+    ],
+)
+def test_invalid_configs_name_the_field(config: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TierStore.from_config(config)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("[cache\n")
+    with pytest.raises(ConfigError, match="not valid toml"):
+        load_config(tmp_path / "bad.toml")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(tmp_path / "list.json")
+
+
+def test_unwritable_tier_path_closes_already_opened_tiers(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    config = {
+        "tiers": [
+            {"name": "ok", "backend": f"nvme://{tmp_path / 'ok'}"},
+            {"name": "bad", "backend": f"nvme://{tmp_path / 'file' / 'sub'}"},
+        ]
+    }
+    with pytest.raises(UnwritablePathError):
+        TierStore.from_config(config)

@@ -1,0 +1,67 @@
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from tierstore import ConfigError
+from tierstore.backends import Backend, available_backends, backend_class, open_backend, register_backend
+from tierstore.backends.dram import DramBackend
+from tierstore.backends.nvme import NvmeBackend
+
+
+def test_builtins_are_found_by_name_and_url(tmp_path: Path) -> None:
+    assert {"dram", "nvme"} <= set(available_backends())
+    assert backend_class("nvme") is NvmeBackend
+    with open_backend("dram://") as backend:
+        assert isinstance(backend, DramBackend)
+    with open_backend(f"nvme://{tmp_path}?queue_depth=3&chunk_bytes=1MiB") as backend:
+        assert isinstance(backend, NvmeBackend)
+        assert backend.options.queue_depth == 3 and backend.options.chunk_bytes == 1 << 20
+        assert backend.root == tmp_path
+
+
+def test_register_backend_at_run_time() -> None:
+    class EchoBackend(DramBackend):
+        scheme = "echo-test"
+
+    register_backend(EchoBackend)
+    with open_backend("echo-test://") as backend:
+        assert isinstance(backend, EchoBackend)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_backend(DramBackend, "echo-test")
+
+
+def test_unknown_scheme_lists_the_available_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown backend 'nope'; available: .*dram.*nvme"):
+        open_backend("nope:///x")
+
+
+def test_spec_of_the_wrong_type() -> None:
+    with pytest.raises(ConfigError, match="expected a URL string or a mapping"):
+        open_backend(42)  # type: ignore[arg-type]
+
+
+class NotABackend:
+    scheme = "fake"
+
+
+def test_entry_point_must_name_a_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierstore.backends import registry
+
+    monkeypatch.setitem(registry.BUILTIN_BACKENDS, "fake-test", f"{__name__}:NotABackend")
+    with pytest.raises(ConfigError, match="is not a tierstore Backend subclass"):
+        backend_class("fake-test")
+    monkeypatch.setitem(registry.BUILTIN_BACKENDS, "missing-test", "no_such_package_xyz.mod:Cls")
+    with pytest.raises(ConfigError, match="needs the package 'no_such_package_xyz'"):
+        backend_class("missing-test")
+
+
+def test_backend_is_abstract() -> None:
+    class Incomplete(Backend):
+        scheme = "incomplete"
+
+        def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+            raise AssertionError
+
+    with pytest.raises(TypeError):
+        Incomplete.from_options({})

@@ -1,0 +1,333 @@
+"""TierStore behaviour over each persistent tier kind (DRAM backend and NVMe backend)."""
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import (
+    BackendIOError,
+    BufferMismatchError,
+    CapacityError,
+    InvalidKeyError,
+    KeyNotFoundError,
+    StoreClosedError,
+    Tier,
+    TierStore,
+)
+from tierstore.backends.dram import DramBackend, DramOptions
+
+from .conftest import StoreFactory
+
+DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+    torch.int32, torch.int64, torch.bool, torch.complex64,
+]
+SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (13, 17), (2, 3, 4, 5), (1025,)]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=generator, dtype=torch.int64).to(dtype)
+
+
+def tier_objects(store: TierStore) -> list[str]:
+    return [name for tier in store.tiers for name in tier.backend.list()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_every_dtype_and_shape(make_store: StoreFactory, dtype: torch.dtype) -> None:
+    store = make_store(cache_budget=64 << 10)
+    tensors = {f"{dtype}-{shape}": random_tensor(shape, dtype, i) for i, shape in enumerate(SHAPES)}
+    for key, tensor in tensors.items():
+        store.put(key, tensor)
+    store.flush()
+    for key, tensor in tensors.items():
+        got = store[key]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape
+        assert torch.equal(got, tensor), key
+        info = store.info(key)
+        assert (info.shape, info.dtype, info.nbytes) == (tuple(tensor.shape), dtype, tensor.nbytes)
+
+
+def test_non_contiguous_input(make_store: StoreFactory) -> None:
+    store = make_store()
+    base = torch.randn(64, 48)
+    views = {"t": base.t(), "sliced": base[::3, 5:40:2], "expanded": torch.randn(5, 1).expand(5, 9)}
+    for key, view in views.items():
+        store[key] = view
+    for key, view in views.items():
+        assert torch.equal(store[key], view)
+
+
+def test_put_is_ordered_before_later_get(make_store: StoreFactory) -> None:
+    store = make_store(cache_budget=1 << 20)
+    for version in range(20):
+        store.put("k", torch.full((1000,), float(version)))
+    assert torch.equal(store.get("k").result(), torch.full((1000,), 19.0))
+
+
+def test_get_into_out(make_store: StoreFactory) -> None:
+    store = make_store()
+    value = torch.randn(32, 16).to(torch.bfloat16)
+    store["x"] = value
+    out = torch.empty(32, 16, dtype=torch.bfloat16)
+    assert store.get("x", out=out).result() is out
+    assert torch.equal(out, value)
+    strided = torch.empty(16, 32, dtype=torch.bfloat16).t()
+    store.get("x", out=strided).result()
+    assert torch.equal(strided, value)
+
+
+@pytest.mark.parametrize(
+    "out",
+    [torch.empty(32, 16), torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(512, dtype=torch.bfloat16)],
+    ids=["dtype", "shape", "flat"],
+)
+def test_get_rejects_mismatched_out(make_store: StoreFactory, out: torch.Tensor) -> None:
+    store = make_store()
+    store["x"] = torch.zeros(32, 16, dtype=torch.bfloat16)
+    with pytest.raises(BufferMismatchError, match="out is"):
+        store.get("x", out=out)
+
+
+def test_overwrite_changes_shape_and_dtype_and_frees_old_copy(make_store: StoreFactory) -> None:
+    store = make_store(cache_budget=0 + (64 << 10), policy="write-through")
+    store["k"] = torch.randn(100)
+    store["k"] = torch.arange(10, dtype=torch.int16)
+    assert torch.equal(store["k"], torch.arange(10, dtype=torch.int16))
+    assert len(tier_objects(store)) == 1
+
+
+def test_spill_many_times_the_budget_stays_within_budget(make_store: StoreFactory) -> None:
+    budget = 160 << 10
+    store = make_store(cache_budget=budget)
+    tensors = {f"t{i}": random_tensor((4096 + 37 * i,), torch.float32, i) for i in range(40)}
+    futures = [store.put(key, tensor) for key, tensor in tensors.items()]
+    for future in futures:
+        future.result()
+    for key in reversed(list(tensors)):
+        assert torch.equal(store[key], tensors[key])
+    stats = store.stats()
+    assert sum(t.nbytes for t in tensors.values()) > 4 * budget
+    assert stats["peak_cache_bytes"] <= budget
+    assert stats["evictions"] > 0 and stats["writebacks"] > 0
+
+
+def test_write_through_persists_before_resolving(make_store: StoreFactory) -> None:
+    store = make_store(policy="write-through")
+    store["w"] = torch.ones(1000)
+    info = store.info("w")
+    assert info.tier is not None and info.cached and not info.dirty
+    assert len(tier_objects(store)) == 1
+
+
+def test_write_back_defers_tier_writes_until_flush(make_store: StoreFactory) -> None:
+    store = make_store(policy="write-back")
+    store["w"] = torch.ones(1000)
+    assert store.info("w").dirty and tier_objects(store) == []
+    store.flush()
+    info = store.info("w")
+    assert not info.dirty and info.tier is not None
+    assert len(tier_objects(store)) == 1
+
+
+def test_objects_larger_than_budget_bypass_the_cache(make_store: StoreFactory) -> None:
+    store = make_store(cache_budget=64 << 10)
+    big = torch.randn(100_000)
+    store["big"] = big
+    info = store.info("big")
+    assert not info.cached and info.tier is not None
+    assert torch.equal(store["big"], big)
+    out = torch.empty_like(big)
+    store.get("big", out=out).result()
+    assert torch.equal(out, big)
+    assert store.stats()["peak_cache_bytes"] == 0
+    with pytest.raises(CapacityError, match="exceed the cache budget"):
+        store.prefetch(["big"]).result()
+
+
+def test_cache_reads_off_reads_straight_to_the_destination(make_store: StoreFactory) -> None:
+    store = make_store(cache_reads=False, policy="write-through")
+    store["x"] = torch.arange(100.0)
+    store.flush()
+    store.delete("x")
+    store["x"] = torch.arange(100.0)
+    assert torch.equal(store["x"], torch.arange(100.0))
+
+
+def test_prefetch_fills_the_cache(make_store: StoreFactory) -> None:
+    store = make_store(cache_budget=64 << 10)
+    for i in range(8):
+        store[f"p{i}"] = torch.full((4096,), float(i))  # 16 KiB each: only 4 fit
+    assert not store.info("p0").cached
+    store.prefetch(["p0", "p1"]).result()
+    assert store.info("p0").cached and store.info("p1").cached
+    hits = store.stats()["hits"]
+    assert torch.equal(store["p0"], torch.full((4096,), 0.0))
+    assert store.stats()["hits"] == hits + 1
+
+
+def test_delete(make_store: StoreFactory) -> None:
+    store = make_store(policy="write-through")
+    store["a"] = torch.ones(3)
+    store["b"] = torch.ones(3)
+    del store["a"]
+    assert "a" not in store and store.keys() == ["b"] and len(store) == 1
+    assert len(tier_objects(store)) == 1
+    with pytest.raises(KeyNotFoundError):
+        store["a"]
+    with pytest.raises(KeyNotFoundError):
+        store.delete("a")
+
+
+@pytest.mark.parametrize("key", ["", "nul\x00", 3, None, "k" * 1025])
+def test_invalid_keys(make_store: StoreFactory, key: object) -> None:
+    store = make_store()
+    with pytest.raises(InvalidKeyError):
+        store.put(key, torch.ones(1))  # type: ignore[arg-type]
+
+
+def test_keys_are_opaque_strings(make_store: StoreFactory) -> None:
+    store = make_store()
+    odd = ["../../etc/passwd", "/abs", "layer.0/exp_avg", "ünïcode ✓", "."]
+    for i, key in enumerate(odd):
+        store[key] = torch.tensor([i])
+    store.flush()
+    assert sorted(store.keys()) == sorted(odd)
+    assert all(store[key].item() == i for i, key in enumerate(odd))
+
+
+def test_put_rejects_non_tensors(make_store: StoreFactory) -> None:
+    store = make_store()
+    with pytest.raises(BufferMismatchError):
+        store.put("x", [1, 2, 3])  # type: ignore[arg-type]
+
+
+def test_closed_store(make_store: StoreFactory) -> None:
+    store = make_store(policy="write-through")
+    store["x"] = torch.ones(10)
+    store.close()
+    assert all(tier.backend.closed for tier in store.tiers)
+    for call in (lambda: store.put("y", torch.ones(1)), lambda: store.get("x"), store.flush):
+        with pytest.raises(StoreClosedError):
+            call()
+
+
+def test_close_removes_tier_objects(tmp_path: Path) -> None:
+    from tierstore.backends import open_backend
+
+    store = TierStore([open_backend(f"nvme://{tmp_path}")], cache_budget=0)
+    store["x"] = torch.ones(10_000)
+    assert len(list(tmp_path.iterdir())) == 1
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_concurrent_clients(make_store: StoreFactory) -> None:
+    store = make_store(cache_budget=128 << 10)
+    errors: list[BaseException] = []
+
+    def client(index: int) -> None:
+        try:
+            for round_ in range(10):
+                key = f"c{index}-{round_ % 4}"
+                value = random_tensor((2000 + index,), torch.float32, index * 100 + round_)
+                store[key] = value
+                assert torch.equal(store[key], value)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    assert store.stats()["peak_cache_bytes"] <= 128 << 10
+
+
+# -- tiers, capacity and failures ------------------------------------------------------------------
+class FlakyDram(DramBackend):
+    """Writes half of each object, then fails, while ``failing`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(DramOptions())
+        self.failing = False
+
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        if not self.failing:
+            return super()._write(name, offset, data)
+        super()._write(name, offset, data[: data.nbytes // 2])
+        future: Future[None] = Future()
+        future.set_exception(BackendIOError(5, "injected write failure"))
+        return future
+
+
+def test_spill_over_to_the_next_tier_when_full() -> None:
+    small = Tier("small", DramBackend(DramOptions()), capacity=10_000)
+    large = Tier("large", DramBackend(DramOptions()))
+    with TierStore([small, large], cache_budget=0) as store:
+        for i in range(5):
+            store[f"k{i}"] = torch.ones(1000)  # 4000 bytes each
+        placed = [store.info(f"k{i}").tier for i in range(5)]
+        assert placed == ["small", "small", "large", "large", "large"]
+        del store["k0"]
+        store["k5"] = torch.ones(1000)
+        assert store.info("k5").tier == "small"
+
+
+def test_all_tiers_full() -> None:
+    with TierStore([Tier("t", DramBackend(DramOptions()), capacity=100)], cache_budget=0) as store:
+        with pytest.raises(CapacityError, match="no tier has room"):
+            store["k"] = torch.ones(1000)
+        assert "k" not in store
+
+
+def test_failed_put_keeps_previous_version_and_leaves_no_partial_object() -> None:
+    backend = FlakyDram()
+    with TierStore([backend], cache_budget=0) as store:
+        store["k"] = torch.zeros(1000)
+        backend.failing = True
+        with pytest.raises(BackendIOError, match="injected"):
+            store["k"] = torch.ones(1000)
+        assert torch.equal(store["k"], torch.zeros(1000))
+        assert len(backend.list()) == 1
+        with pytest.raises(BackendIOError):
+            store["new"] = torch.ones(1000)
+        assert "new" not in store and len(backend.list()) == 1
+
+
+def test_failed_write_back_keeps_data_cached_until_flush_succeeds() -> None:
+    backend = FlakyDram()
+    with TierStore([backend], cache_budget=1 << 20) as store:
+        store["k"] = torch.arange(1000.0)
+        backend.failing = True
+        with pytest.raises(BackendIOError, match="write-back failed"):
+            store.flush()
+        assert backend.list() == []
+        assert torch.equal(store["k"], torch.arange(1000.0))
+        backend.failing = False
+        store.flush()
+        assert store.info("k").tier is not None and not store.info("k").dirty
+
+
+def test_failed_write_backs_blocking_the_cache_raise_instead_of_hanging() -> None:
+    backend = FlakyDram()
+    with TierStore([backend], cache_budget=8192) as store:
+        store["a"] = torch.ones(1024)  # 4 KiB
+        store["b"] = torch.ones(1024)
+        backend.failing = True
+        with pytest.raises(CapacityError, match="write-back failed"):
+            store["c"] = torch.ones(1024)
+        backend.failing = False
+        store.flush()  # retries the failed write-backs, which frees their room
+        store["c"] = torch.ones(1024)
+        assert all(torch.equal(store[k], torch.ones(1024)) for k in "abc")

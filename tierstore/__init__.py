@@ -1,0 +1,51 @@
+"""tierstore: a tiered tensor store for spilling large torch tensors to DRAM, NVMe and PFS tiers.
+
+>>> import torch, tierstore
+>>> with tierstore.TierStore.from_config({"tiers": [{"name": "ram", "backend": "dram://"}]}) as store:
+...     store["w"] = torch.arange(4.0)
+...     store["w"].tolist()
+[0.0, 1.0, 2.0, 3.0]
+"""
+
+from .buffers import AlignedBuffer, BufferPool
+from .config import StoreConfig, default_config, load_config
+from .errors import (
+    AlignmentError,
+    BackendIOError,
+    BufferMismatchError,
+    CapacityError,
+    ConfigError,
+    InvalidKeyError,
+    KeyNotFoundError,
+    OutOfRangeError,
+    StoreClosedError,
+    TierStoreError,
+    UnwritablePathError,
+)
+from .store import ObjectInfo, TierStore
+from .tier import Placement, Tier
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlignedBuffer",
+    "AlignmentError",
+    "BackendIOError",
+    "BufferMismatchError",
+    "BufferPool",
+    "CapacityError",
+    "ConfigError",
+    "InvalidKeyError",
+    "KeyNotFoundError",
+    "ObjectInfo",
+    "OutOfRangeError",
+    "Placement",
+    "StoreClosedError",
+    "StoreConfig",
+    "Tier",
+    "TierStore",
+    "TierStoreError",
+    "UnwritablePathError",
+    "default_config",
+    "load_config",
+]

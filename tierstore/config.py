@@ -1,0 +1,99 @@
+"""The store's configuration document: a dict, a JSON file or a TOML file, validated by pydantic.
+
+Example (TOML)::
+
+    [cache]
+    budget = "2GiB"           # DRAM cache byte budget (bytes or "512MiB", "2GB"...)
+    policy = "write-back"     # or "write-through"
+
+    [[tiers]]
+    name = "nvme"
+    backend = "nvme:///local/scratch/tierstore"   # a URL, or a table with a "type" field
+    capacity = "100GiB"                            # optional
+
+Every error names the offending field, e.g. ``tiers.0.backend: ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError, config_error_from_validation
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CacheConfig(_Strict):
+    budget: ByteSize = Field(ByteSize(256 << 20))
+    """Bytes of DRAM the cache may hold (aligned buffers, pinned where CUDA exists)."""
+    policy: Literal["write-back", "write-through"] = "write-back"
+    """write-back: a put lands in DRAM and reaches a tier on eviction or flush.
+    write-through: a put resolves once its tier write is done (and stays cached)."""
+    cache_reads: bool = True
+    """Keep objects read from a tier in the cache (False: read straight into the destination)."""
+
+
+class TierConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+    backend: str | dict[str, Any]
+    """A backend URL (``nvme:///path``) or a table with ``type`` and the backend's options."""
+    capacity: ByteSize | None = None
+    """Bytes this tier may hold; objects go to the first tier with room."""
+
+
+class StoreConfig(_Strict):
+    cache: CacheConfig = CacheConfig()
+    tiers: list[TierConfig] = Field(min_length=1)
+    workers: int = Field(4, ge=1, le=256)
+    """Threads that run put/get/prefetch (device I/O has its own threads in each backend)."""
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_names(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        names = [tier.name for tier in tiers]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"tier names must be unique; repeated: {', '.join(duplicates)}")
+        return tiers
+
+
+ConfigSource = StoreConfig | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def load_config(source: ConfigSource) -> StoreConfig:
+    """Validate a config given as a model, a mapping, or the path of a .json/.toml file."""
+    if isinstance(source, StoreConfig):
+        return source
+    where = "config"
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        where = str(path)
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        try:
+            source = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+            raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {error}") from None
+    if not isinstance(source, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(source).__name__}")
+    try:
+        return StoreConfig.model_validate(dict(source))
+    except ValidationError as error:
+        raise config_error_from_validation(error, where) from None
+
+
+def default_config() -> dict[str, Any]:
+    """The embedded default configuration (used by the demo), as a plain dict."""
+    return tomllib.loads(files("tierstore").joinpath("default_config.toml").read_text())

@@ -1,0 +1,65 @@
+"""Typed exceptions raised by tierstore.
+
+Every error the library raises on purpose derives from :class:`TierStoreError`, and each also
+derives from the builtin a caller would naturally catch (``KeyError``, ``ValueError``,
+``OSError``...), so ``except KeyError`` keeps working for code that does not know tierstore.
+"""
+
+from __future__ import annotations
+
+
+class TierStoreError(Exception):
+    """Base class of every error raised by tierstore."""
+
+
+class KeyNotFoundError(TierStoreError, KeyError):
+    """The key (or backend object name) does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class InvalidKeyError(TierStoreError, ValueError):
+    """A key or backend object name is malformed (empty, too long, escapes the root...)."""
+
+
+class BufferMismatchError(TierStoreError, ValueError):
+    """A caller's buffer has the wrong size, dtype, shape or memory layout for the object."""
+
+
+class OutOfRangeError(TierStoreError, ValueError):
+    """A byte range reaches past the end of a stored object."""
+
+
+class AlignmentError(TierStoreError, ValueError):
+    """An offset or length violates the backend's declared alignment."""
+
+
+class StoreClosedError(TierStoreError, RuntimeError):
+    """The store or backend has been closed."""
+
+
+class ConfigError(TierStoreError, ValueError):
+    """A configuration document or backend URL is invalid; the message names the field."""
+
+
+class CapacityError(TierStoreError, MemoryError):
+    """An object does not fit in a buffer pool, DRAM budget or tier capacity."""
+
+
+class BackendIOError(TierStoreError, OSError):
+    """A backend failed to read or write its medium."""
+
+
+class UnwritablePathError(BackendIOError):
+    """A backend's root path cannot be created or written."""
+
+
+def config_error_from_validation(error: Exception, where: str) -> ConfigError:
+    """Turn a pydantic ``ValidationError`` into a :class:`ConfigError` naming each bad field."""
+    problems = []
+    for item in getattr(error, "errors", lambda: [])():
+        field = ".".join(str(part) for part in item.get("loc", ()))
+        location = f"{where}.{field}" if field else where
+        problems.append(f"{location}: {item.get('msg', 'invalid')}")
+    return ConfigError("invalid configuration: " + ("; ".join(problems) or f"{where}: {error}"))

@@ -1,0 +1,545 @@
+"""TierStore: put and get torch tensors by key through a DRAM cache over persistent tiers.
+
+Contract in brief (details on each method):
+
+* ``put``/``get``/``prefetch`` return ``concurrent.futures.Future`` objects and never block on I/O;
+  ``store[key] = t``, ``store[key]`` and ``del store[key]`` are the blocking forms.
+* Operations on one key take effect in call order (a ``get`` sees the ``put`` issued before it);
+  operations on different keys run in parallel.
+* ``put`` borrows the caller's tensor until its future resolves: it is copied into a cache buffer
+  (or, if larger than the whole cache, written straight to a tier from the tensor's memory).
+* Metadata commits only after the data it points to is complete, so a failed put leaves the
+  previous version (or no object) visible, never a torn one.
+* The cache's buffers never exceed the byte budget: making room waits for write-back of dirty
+  entries instead of growing.
+
+Until the durability work adds a manifest, a store is scratch space: ``close`` deletes the objects
+it wrote to its tiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+
+from ._futures import when_all
+from ._serial import KeyedSerializer
+from .backends import Backend, open_backend
+from .buffers import AlignedBuffer, BufferPool, round_up
+from .cache import CacheEntry, LruIndex
+from .config import ConfigSource, default_config, load_config
+from .errors import (
+    BackendIOError,
+    BufferMismatchError,
+    CapacityError,
+    InvalidKeyError,
+    KeyNotFoundError,
+    StoreClosedError,
+)
+from .tier import Placement, Tier
+
+MAX_KEY_LENGTH = 1024
+Policy = Literal["write-back", "write-through"]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store knows about one object (a snapshot; see :meth:`TierStore.info`)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    tier: str | None
+    """Tier holding the committed persistent copy, or None if it lives only in the cache."""
+    cached: bool
+    dirty: bool
+    """The cached copy is newer than any persistent copy."""
+
+
+@dataclass
+class _Record:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    entry: CacheEntry | None = None
+    persisted: Placement | None = None
+
+
+class TierStore:
+    """A tiered tensor store (see the module docstring for the contract).
+
+    ``tiers`` are tried in order for each object leaving the cache: it goes to the first with room.
+    The store takes ownership of the tiers' backends and closes them in :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier | Backend],
+        *,
+        cache_budget: int = 256 << 20,
+        policy: Policy = "write-back",
+        cache_reads: bool = True,
+        workers: int = 4,
+    ) -> None:
+        if not tiers:
+            raise CapacityError("a TierStore needs at least one persistent tier")
+        if policy not in ("write-back", "write-through"):
+            raise InvalidKeyError(f"policy must be 'write-back' or 'write-through', not {policy!r}")
+        self.tiers = [
+            tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier)
+            for index, tier in enumerate(tiers)
+        ]
+        self.policy = policy
+        self.cache_reads = cache_reads
+        self._pool = BufferPool(cache_budget)
+        self._cache = LruIndex()
+        self._records: dict[str, _Record] = {}
+        self._cond = threading.Condition()  # guards _records, _cache, entries, counters
+        self._serial = KeyedSerializer(workers, "tierstore")
+        token = secrets.token_hex(4)  # tier objects of concurrent stores in one directory never clash
+        self._names = (f"{token}-{n:x}" for n in itertools.count())
+        self._writebacks: set[CacheEntry] = set()
+        self._stats = {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
+        self._peak_cache_bytes = 0
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: ConfigSource | None = None) -> TierStore:
+        """Open every tier's backend from a config document (default: the embedded one)."""
+        settings = load_config(default_config() if config is None else config)
+        tiers: list[Tier] = []
+        try:
+            for index, tier in enumerate(settings.tiers):
+                backend = open_backend(tier.backend, where=f"tiers.{index}.backend")
+                tiers.append(Tier(tier.name, backend, tier.capacity))
+        except BaseException:
+            for opened in tiers:
+                opened.backend.close()
+            raise
+        return cls(
+            tiers,
+            cache_budget=settings.cache.budget,
+            policy=settings.cache.policy,
+            cache_reads=settings.cache.cache_reads,
+            workers=settings.workers,
+        )
+
+    # -- public API: asynchronous ----------------------------------------------------------------
+    def put(self, key: str, tensor: torch.Tensor) -> Future[None]:
+        """Store ``tensor`` (any dtype, shape, layout or device) under ``key``.
+
+        The tensor is borrowed until the future resolves; do not modify it before then.
+        """
+        self._check_open()
+        _check_key(key)
+        if not isinstance(tensor, torch.Tensor):
+            raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise BufferMismatchError(f"put({key!r}): only dense (strided) tensors are supported")
+        return self._serial.submit(key, self._put, key, tensor.detach())
+
+    def get(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
+        """Read ``key``; into ``out`` (same shape and dtype, any device/strides) if given.
+
+        The future's result is ``out``, or a new CPU tensor.
+        """
+        self._check_open()
+        self._check_known(key)
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise BufferMismatchError(f"get({key!r}): out must be a torch.Tensor")
+            record = self._records.get(key)
+            if record is not None:
+                _check_out(key, record, out)
+        return self._serial.submit(key, self._get, key, out)
+
+    def prefetch(self, keys: Iterable[str]) -> Future[None]:
+        """Load ``keys`` into the DRAM cache in the background; resolves when all are cached.
+
+        Objects larger than the whole cache budget raise :class:`CapacityError` through the future.
+        """
+        self._check_open()
+        keys = list(keys)
+        for key in keys:
+            self._check_known(key)
+        loads = [self._serial.submit(key, self._prefetch, key) for key in keys]
+        return when_all(loads, lambda: None)
+
+    # -- public API: blocking ---------------------------------------------------------------------
+    def delete(self, key: str) -> None:
+        """Remove ``key`` after the operations already issued on it; frees its cache and tier space."""
+        self._check_open()
+        self._check_known(key)
+        self._serial.submit(key, self._delete, key).result()
+
+    def flush(self) -> None:
+        """Write every dirty cached object to its tier; raises if any write-back failed.
+
+        Covers puts whose futures have resolved; wait for pending puts first to include them.
+        """
+        self._check_open()
+        with self._cond:
+            dirty = [entry for entry in self._cache if entry.dirty and not entry.writing]
+            for entry in dirty:
+                entry.writeback_error = None
+                self._begin_write_back(entry)
+        for entry in dirty:
+            self._write_back(entry)
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writebacks)
+            failed = [entry for entry in self._cache if entry.writeback_error is not None]
+        if failed:
+            raise BackendIOError(
+                f"flush: write-back failed for {len(failed)} object(s), e.g. {failed[0].key!r}: "
+                f"{failed[0].writeback_error}"
+            ) from failed[0].writeback_error
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is committed (its put's future has resolved)."""
+        return key in self._records
+
+    def keys(self) -> list[str]:
+        """Committed keys, in insertion order."""
+        with self._cond:
+            return list(self._records)
+
+    def info(self, key: str) -> ObjectInfo:
+        with self._cond:
+            record = self._record(key)
+            entry = record.entry
+            return ObjectInfo(
+                key=key,
+                shape=record.shape,
+                dtype=record.dtype,
+                nbytes=record.nbytes,
+                tier=record.persisted.tier.name if record.persisted else None,
+                cached=entry is not None,
+                dirty=entry is not None and entry.dirty,
+            )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: cache hits/misses/evictions/write-backs, cache bytes, per-tier bytes moved."""
+        with self._cond:
+            return {
+                **self._stats,
+                "cache_budget_bytes": self._pool.capacity,
+                "cache_bytes": self._pool.allocated_bytes,
+                "peak_cache_bytes": self._peak_cache_bytes,
+                "tiers": {
+                    tier.name: {
+                        "used_bytes": tier.used_bytes,
+                        "bytes_written": tier.bytes_written,
+                        "bytes_read": tier.bytes_read,
+                    }
+                    for tier in self.tiers
+                },
+            }
+
+    def close(self) -> None:
+        """Finish issued operations, delete this store's tier objects, release all memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._serial.shutdown()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writebacks)
+            placements = [r.persisted for r in self._records.values() if r.persisted]
+            for entry in self._cache:
+                self._cache.detach(entry)
+                self._pool.release(entry.buffer)
+            self._records.clear()
+        for placement in placements:
+            placement.tier.discard(placement)
+        self._pool.clear()
+        for tier in self.tiers:
+            tier.backend.close()
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
+        self.put(key, tensor).result()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.get(key).result()
+
+    def __delitem__(self, key: str) -> None:
+        self.delete(key)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.contains(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # -- operations (run on the serializer, one key at a time) -----------------------------------
+    def _put(self, key: str, tensor: torch.Tensor) -> None:
+        record = _Record(tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
+        if not self._pool.fits(record.nbytes):  # larger than the whole cache: straight to a tier
+            source = tensor.cpu().contiguous()
+            record.persisted = self._write_to_tier(_bytes_of(source))
+            self._commit(key, record)
+            return
+        buffer = self._acquire(record.nbytes)
+        entry = CacheEntry(key, buffer, record.nbytes, dirty=True)
+        try:
+            entry.typed(record.dtype, record.shape).copy_(tensor)
+            if self.policy == "write-through":
+                record.persisted = self._write_to_tier(buffer.memoryview(record.nbytes))
+                entry.dirty = False
+        except BaseException:
+            self._pool.release(buffer)
+            raise
+        record.entry = entry
+        self._commit(key, record)
+
+    def _get(self, key: str, out: torch.Tensor | None) -> torch.Tensor:
+        with self._cond:
+            record = self._record(key)
+            if out is not None:
+                _check_out(key, record, out)
+            entry = record.entry
+            if entry is not None:
+                entry.pins += 1
+                self._cache.touch(entry)
+                self._stats["hits"] += 1
+            else:
+                self._stats["misses"] += 1
+        if entry is None and self.cache_reads and self._pool.fits(record.nbytes):
+            entry = self._load(key, record, pinned=True)
+        if entry is None:  # not cached and not to be cached: read straight into the destination
+            return self._read_direct(record, out)
+        try:
+            destination = torch.empty(record.shape, dtype=record.dtype) if out is None else out
+            destination.copy_(entry.typed(record.dtype, record.shape))
+            return destination
+        finally:
+            self._unpin(entry)
+
+    def _prefetch(self, key: str) -> None:
+        with self._cond:
+            record = self._record(key)
+            if record.entry is not None:
+                self._cache.touch(record.entry)
+                return
+        if not self._pool.fits(record.nbytes):
+            raise CapacityError(
+                f"prefetch({key!r}): {record.nbytes} bytes exceed the cache budget of "
+                f"{self._pool.capacity} bytes"
+            )
+        self._load(key, record, pinned=False)
+
+    def _delete(self, key: str) -> None:
+        with self._cond:
+            record = self._record(key)
+            del self._records[key]
+            if record.entry is not None:
+                self._detach(record.entry)
+        if record.persisted is not None:
+            record.persisted.tier.discard(record.persisted)
+
+    # -- cache mechanics --------------------------------------------------------------------------
+    def _load(self, key: str, record: _Record, *, pinned: bool) -> CacheEntry:
+        """Read a persisted object into a new clean cache entry and attach it."""
+        assert record.persisted is not None
+        buffer = self._acquire(record.nbytes)
+        try:
+            record.persisted.tier.read_into(record.persisted, buffer.memoryview(record.nbytes)).result()
+        except BaseException:
+            self._pool.release(buffer)
+            raise
+        entry = CacheEntry(key, buffer, record.nbytes, dirty=False, pins=int(pinned))
+        with self._cond:
+            record.entry = entry
+            self._cache.insert(entry)
+        return entry
+
+    def _acquire(self, nbytes: int) -> AlignedBuffer:
+        """A cache buffer for ``nbytes``, writing back and evicting LRU entries to make room."""
+        needed = round_up(max(nbytes, 1))
+        while True:
+            with self._cond:
+                self._check_open()
+                buffer = self._pool.try_acquire(nbytes)
+                if buffer is not None:
+                    self._peak_cache_bytes = max(self._peak_cache_bytes, self._pool.allocated_bytes)
+                    return buffer
+                victim = self._cache.victim()
+                if victim is not None and not victim.dirty:
+                    self._detach(victim)
+                    self._stats["evictions"] += 1
+                    continue
+                in_flight = sum(entry.nbytes for entry in self._writebacks)
+                if victim is None or in_flight >= needed:
+                    self._wait_for_room(needed)
+                    continue
+                self._begin_write_back(victim)
+            self._write_back(victim)
+
+    def _wait_for_room(self, needed: int) -> None:
+        """Wait for a pin, load or write-back to end; fail if failed write-backs hold the room."""
+        stuck = sum(e.buffer.capacity for e in self._cache if e.writeback_error is not None)
+        if self._pool.capacity - stuck < needed:
+            cause = next(e.writeback_error for e in self._cache if e.writeback_error is not None)
+            raise CapacityError(
+                f"no cache room for {needed} bytes: {stuck} bytes are dirty objects whose "
+                f"write-back failed ({cause}); fix the tier and call flush()"
+            ) from cause
+        self._cond.wait(timeout=1.0)
+
+    def _begin_write_back(self, entry: CacheEntry) -> None:
+        """Mark ``entry`` as being written back (under the lock, before :meth:`_write_back`)."""
+        entry.writing = True
+        self._writebacks.add(entry)
+
+    def _write_back(self, entry: CacheEntry) -> None:
+        """Write a marked cache entry to a tier, outside the lock; completes asynchronously."""
+        try:
+            placement = self._reserve(entry.nbytes)
+            future = placement.tier.write(placement.name, entry.buffer.memoryview(entry.nbytes))
+        except BaseException as error:  # noqa: BLE001 - recorded on the entry
+            self._finish_write_back(entry, None, error)
+            return
+        future.add_done_callback(
+            lambda done: self._finish_write_back(entry, placement, done.exception())
+        )
+
+    def _finish_write_back(
+        self,
+        entry: CacheEntry,
+        placement: Placement | None,
+        error: BaseException | None,
+    ) -> None:
+        garbage: list[Placement] = []
+        with self._cond:
+            entry.writing = False
+            self._writebacks.discard(entry)
+            if error is not None:
+                entry.writeback_error = error
+                if placement is not None:
+                    garbage.append(placement)
+            else:
+                self._stats["writebacks"] += 1
+                record = self._records.get(entry.key)
+                if record is not None and record.entry is entry:
+                    if record.persisted is not None:
+                        garbage.append(record.persisted)
+                    record.persisted = placement
+                    entry.dirty = False
+                elif placement is not None:  # replaced or deleted while writing: stale copy
+                    garbage.append(placement)
+            self._release_if_unused(entry)
+            self._cond.notify_all()
+        for stale in garbage:
+            stale.tier.discard(stale)
+
+    def _reserve(self, nbytes: int) -> Placement:
+        for tier in self.tiers:
+            if tier.reserve(nbytes):
+                return Placement(tier, next(self._names), nbytes)
+        raise CapacityError(f"no tier has room for an object of {nbytes} bytes")
+
+    def _write_to_tier(self, data: memoryview) -> Placement:
+        placement = self._reserve(data.nbytes)
+        try:
+            placement.tier.write(placement.name, data).result()
+        except BaseException:
+            placement.tier.discard(placement)
+            raise
+        return placement
+
+    def _read_direct(self, record: _Record, out: torch.Tensor | None) -> torch.Tensor:
+        assert record.persisted is not None
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        destination = out if direct else torch.empty(record.shape, dtype=record.dtype)
+        assert destination is not None
+        record.persisted.tier.read_into(record.persisted, _bytes_of(destination)).result()
+        if out is not None and not direct:
+            out.copy_(destination)
+            return out
+        return destination
+
+    def _commit(self, key: str, record: _Record) -> None:
+        """Make ``record`` the current version of ``key``; drop the previous one."""
+        entry = record.entry
+        with self._cond:
+            previous = self._records.get(key)
+            self._records[key] = record
+            if entry is not None:
+                self._cache.insert(entry)
+            if previous is not None and previous.entry is not None:
+                self._detach(previous.entry)
+        if previous is not None and previous.persisted is not None:
+            previous.persisted.tier.discard(previous.persisted)
+
+    def _detach(self, entry: CacheEntry) -> None:
+        record = self._records.get(entry.key)
+        if record is not None and record.entry is entry:
+            record.entry = None
+        self._cache.detach(entry)
+        self._release_if_unused(entry)
+        self._cond.notify_all()
+
+    def _unpin(self, entry: CacheEntry) -> None:
+        with self._cond:
+            entry.pins -= 1
+            self._release_if_unused(entry)
+            self._cond.notify_all()
+
+    def _release_if_unused(self, entry: CacheEntry) -> None:
+        if entry.releasable:
+            self._pool.release(entry.buffer)
+
+    # -- checks -----------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the TierStore is closed")
+
+    def _check_known(self, key: str) -> None:
+        _check_key(key)
+        if key not in self._records and not self._serial.pending(key):
+            raise KeyNotFoundError(f"no object with key {key!r}")
+
+    def _record(self, key: str) -> _Record:
+        record = self._records.get(key)
+        if record is None:
+            raise KeyNotFoundError(f"no object with key {key!r}")
+        return record
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
+        raise InvalidKeyError(
+            f"keys are non-empty strings of at most {MAX_KEY_LENGTH} characters without NUL; "
+            f"got {key!r}"
+        )
+
+
+def _check_out(key: str, record: _Record, out: torch.Tensor) -> None:
+    if out.dtype != record.dtype or tuple(out.shape) != record.shape:
+        raise BufferMismatchError(
+            f"get({key!r}): out is {out.dtype} {tuple(out.shape)} but the object is "
+            f"{record.dtype} {record.shape}"
+        )
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
