@@ -93,8 +93,11 @@ class Backend(ABC):
         return cls(validated)
 
     @classmethod
-    def options_from_url(cls, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        """Map the part of a URL after ``scheme://`` (and its query) to option fields."""
+    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """Map a URL (``scheme://location?query``) to option fields.
+
+        ``scheme`` is the whole scheme, e.g. ``zarr+s3`` for a backend registered as ``zarr``.
+        """
         return {"path": location, **query} if location else dict(query)
 
     # -- capabilities -----------------------------------------------------------------------------

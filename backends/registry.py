@@ -23,6 +23,8 @@ ENTRY_POINT_GROUP = "tierstore.backends"
 BUILTIN_BACKENDS: dict[str, str] = {
     "dram": "tierstore.backends.dram:DramBackend",
     "nvme": "tierstore.backends.nvme:NvmeBackend",
+    "zarr": "tierstore.backends.zarr:ZarrBackend",
+    "adios2": "tierstore.backends.adios2:Adios2Backend",
 }
 """Registry name -> ``module:Class`` of the backends shipped with tierstore."""
 
@@ -59,18 +61,19 @@ def backend_class(name: str) -> type[Backend]:
                 f"unknown backend {name!r}; available: {', '.join(available_backends())}"
             )
         target = found[0].value
-    cls = _import(name, target)
+    cls = _import(name, target, builtin=name in BUILTIN_BACKENDS)
     register_backend(cls, name, clobber=True)
     return cls
 
 
-def _import(name: str, target: str) -> type[Backend]:
+def _import(name: str, target: str, *, builtin: bool) -> type[Backend]:
     module_name, _, attribute = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attribute)
     except ImportError as error:
+        remedy = f"pip install 'tierstore[{name}]'" if builtin else f"install {error.name!r}"
         raise ConfigError(
-            f"backend {name!r} needs the package {error.name!r}, which is not installed"
+            f"backend {name!r} needs the package {error.name!r}, which is not installed: {remedy}"
         ) from error
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise ConfigError(f"backend {name!r} ({target}) is not a tierstore Backend subclass")
@@ -86,8 +89,9 @@ def open_backend(spec: str | Mapping[str, Any], *, where: str = "backend") -> Ba
         parts = urlsplit(spec)
         if not parts.scheme or "://" not in spec:
             raise ConfigError(f"{where}: {spec!r} is not a backend URL such as 'nvme:///path'")
-        cls = backend_class(parts.scheme)
-        options = cls.options_from_url(parts.netloc + parts.path, dict(parse_qsl(parts.query)))
+        cls = backend_class(parts.scheme.partition("+")[0])  # zarr+s3:// -> the "zarr" backend
+        query = dict(parse_qsl(parts.query))
+        options = cls.options_from_url(parts.scheme, parts.netloc + parts.path, query)
         return cls.from_options(options, where=where)
     if isinstance(spec, Mapping):
         options = dict(spec)

@@ -65,3 +65,55 @@ def test_backend_is_abstract() -> None:
 
     with pytest.raises(TypeError):
         Incomplete.from_options({})
+
+
+def test_third_party_backend_installed_through_the_entry_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A distribution on sys.path that declares ``[tierstore.backends]`` is usable by URL."""
+    (tmp_path / "tiny_backend.py").write_text(
+        "from tierstore.backends.dram import DramBackend\n\n"
+        "class TinyBackend(DramBackend):\n"
+        "    scheme = 'tiny'\n"
+    )
+    info = tmp_path / "tiny_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[tierstore.backends]\ntiny = tiny_backend:TinyBackend\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "tiny" in available_backends()
+    with open_backend("tiny://") as backend:
+        assert type(backend).__name__ == "TinyBackend"
+        backend.write("x", 0, b"hi").result()
+        assert backend.size("x") == 2
+    from tierstore import TierStore
+    import torch
+
+    with TierStore.from_config({"tiers": [{"name": "t", "backend": "tiny://"}]}) as store:
+        store["k"] = torch.arange(3)
+        assert torch.equal(store["k"], torch.arange(3))
+
+
+def test_optional_backends_by_url(tmp_path: Path) -> None:
+    from tierstore.backends.adios2 import Adios2Backend
+    from tierstore.backends.zarr import ZarrBackend
+
+    with open_backend(f"zarr+file://{tmp_path / 'z'}") as backend:
+        assert isinstance(backend, ZarrBackend) and backend.local_root == tmp_path / "z"
+    with open_backend("zarr+memory://bucket/prefix") as backend:
+        assert isinstance(backend, ZarrBackend) and backend.local_root is None
+        assert not backend.capabilities.persistent
+    with open_backend(f"adios2://{tmp_path / 'a'}") as backend:
+        assert isinstance(backend, Adios2Backend)
+
+
+def test_missing_optional_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from tierstore.backends import registry
+
+    monkeypatch.setitem(sys.modules, "zarr", None)  # as if zarr were not installed
+    monkeypatch.delitem(sys.modules, "tierstore.backends.zarr", raising=False)
+    monkeypatch.delitem(registry._registered, "zarr", raising=False)
+    with pytest.raises(ConfigError, match=r"needs the package 'zarr'.*pip install 'tierstore\[zarr\]'"):
+        open_backend("zarr+file:///tmp/x")

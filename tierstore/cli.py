@@ -16,21 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ByteSize, TypeAdapter, ValidationError
 from tqdm import tqdm
 
-from .config import default_config, load_config
-from .errors import TierStoreError
+from .config import default_config, load_config, parse_byte_size
+from .errors import ConfigError, TierStoreError
 from .store import TierStore
 
-_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def _byte_size(text: str) -> int:
     try:
-        return int(_BYTE_SIZE.validate_python(text))
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 64MiB or 1GB") from None
+        return parse_byte_size(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def demo_tensor(base: torch.Tensor, index: int) -> torch.Tensor:

@@ -24,9 +24,20 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from .errors import ConfigError, config_error_from_validation
+
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
+
+
+def parse_byte_size(text: str | int) -> int:
+    """Bytes from an integer or a string such as ``"64MiB"`` or ``"2GB"``."""
+    try:
+        return int(_BYTE_SIZE.validate_python(text))
+    except ValidationError:
+        raise ConfigError(f"{text!r} is not a size such as 4096, 64MiB or 2GB") from None
 
 
 class _Strict(BaseModel):

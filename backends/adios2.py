@@ -1,0 +1,309 @@
+"""``adios2:///path``: objects as ADIOS2 BP5 files, written and read by a worker process.
+
+**Layout.** ``<path>/<name>.bp`` is a BP5 directory holding one global 1-D ``uint8`` variable,
+``data``, written in one step. Any ADIOS2 reader (``bpls``, ``adios2.FileReader``) can open it.
+A write goes to ``<path>/.<name>.bp.tmp-*`` and is renamed into place when complete, so a reader
+never sees a half-written object. One file per object, rather than one append-only file for all
+objects, means an overwrite or delete frees space at once, with no compaction. The
+``profiling.json`` ADIOS2 drops into every ``.bp`` directory is removed.
+
+**Worker process.** ADIOS2's bindings hold the GIL during put/get, which would stall every other
+thread of the store; so ADIOS2 runs in a child process (``_adios2_worker.py``) and data moves
+through two shared-memory slots of ``transfer_bytes`` (one filled while the other is written).
+The cost is one memcpy per direction. Requests to one backend are served one at a time.
+
+Only whole objects are written (``partial_writes`` is False): ADIOS2 files are append-only.
+Writes default to ``StatsLevel=0`` (no min/max per block) and a large ``BufferChunkSize``, which
+made writes about 4x faster here.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import numpy as np
+from pydantic import ByteSize, Field, field_validator
+
+from ..buffers import ALIGNMENT
+from ..errors import BackendIOError, KeyNotFoundError, UnwritablePathError
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities
+
+SLOTS = 2
+WORKER = Path(__file__).with_name("_adios2_worker.py")
+
+
+class Adios2Options(BackendOptions):
+    path: Path
+    """Directory of the ``.bp`` objects; created (owner-only) if missing."""
+    engine: Literal["BP5", "BP4"] = "BP5"
+    parameters: dict[str, str] = Field(
+        default_factory=lambda: {"StatsLevel": "0", "BufferChunkSize": str(128 << 20)}
+    )
+    """ADIOS2 engine parameters."""
+    transfer_bytes: ByteSize = Field(ByteSize(64 << 20))
+    """Size of each shared-memory slot (one put/get); a multiple of 4096."""
+
+    @field_validator("transfer_bytes")
+    @classmethod
+    def _aligned(cls, value: ByteSize) -> ByteSize:
+        if value < ALIGNMENT or value % ALIGNMENT:
+            raise ValueError(f"must be a positive multiple of {ALIGNMENT}")
+        return value
+
+
+class Adios2Backend(Backend):
+    """Whole objects in BP5 files; ADIOS2 itself runs in a worker process."""
+
+    scheme = "adios2"
+    Options = Adios2Options
+    options: Adios2Options
+
+    def __init__(self, options: BackendOptions) -> None:
+        super().__init__(options)
+        assert isinstance(options, Adios2Options)
+        self.root = options.path.expanduser().absolute()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            probe = self.root / f".tierstore-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise UnwritablePathError(
+                error.errno, f"adios2: cannot write to {self.root}: {error.strerror}"
+            ) from error
+        self._worker: _Worker | None = None
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+        # One thread talks to the worker; the store's other threads never wait on ADIOS2's GIL.
+        self._dispatch = ThreadPoolExecutor(1, thread_name_prefix="tierstore-adios2")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            alignment=1,
+            chunk_bytes=int(self.options.transfer_bytes),
+            partial_writes=False,
+            persistent=True,
+            direct_io=False,
+        )
+
+    # -- data path --------------------------------------------------------------------------------
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        return self._dispatch.submit(self._write_now, name, data)
+
+    def _write_now(self, name: str, data: memoryview) -> None:
+        final = self._path(name)
+        temporary = self.root / f".{name}.bp.tmp-{uuid.uuid4().hex[:8]}"
+        worker = self._ensure_worker()
+        try:
+            worker.call(
+                op="write_begin",
+                path=str(temporary),
+                size=data.nbytes,
+                engine=self.options.engine,
+                parameters=self.options.parameters,
+            )
+            source = np.frombuffer(data, np.uint8)
+            worker.stream("put", data.nbytes, fill=lambda slot, start, stop: slot.__setitem__(
+                slice(0, stop - start), source[start:stop]))
+            worker.call(op="write_end")
+            with self._lock:
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(temporary, final)
+                self._sizes[name] = data.nbytes
+        except BaseException:
+            worker.abandon()
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        return self._dispatch.submit(self._read_now, name, offset, out)
+
+    def _read_now(self, name: str, offset: int, out: memoryview) -> None:
+        worker = self._ensure_worker()
+        target = np.frombuffer(out, np.uint8)
+        try:
+            worker.call(op="read_begin", path=str(self._existing(name)), engine=self.options.engine,
+                        parameters=self.options.parameters)
+            worker.stream("get", out.nbytes, base=offset, drain=lambda slot, start, stop: target.__setitem__(
+                slice(start, stop), slot[: stop - start]))
+            worker.call(op="read_end")
+        except BaseException:
+            worker.abandon()
+            raise
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def _size(self, name: str) -> int:
+        path = self._existing(name)
+        with self._lock:
+            if name in self._sizes:
+                return self._sizes[name]
+        size = self._dispatch.submit(self._query_size, path).result()
+        with self._lock:
+            self._sizes[name] = size
+        return size
+
+    def _query_size(self, path: Path) -> int:
+        worker = self._ensure_worker()
+        try:
+            size = int(worker.call(op="read_begin", path=str(path), engine=self.options.engine,
+                                   parameters=self.options.parameters)["size"])
+            worker.call(op="read_end")
+        except BaseException:
+            worker.abandon()
+            raise
+        return size
+
+    def _delete(self, name: str) -> None:
+        path = self._existing(name)
+        with self._lock:
+            self._sizes.pop(name, None)
+            shutil.rmtree(path)
+
+    def _exists(self, name: str) -> bool:
+        return self._path(name).is_dir()
+
+    def _list(self) -> list[str]:
+        return [
+            entry.name[: -len(".bp")]
+            for entry in os.scandir(self.root)
+            if entry.name.endswith(".bp") and NAME_PATTERN.fullmatch(entry.name[: -len(".bp")])
+        ]
+
+    def _close(self) -> None:
+        self._dispatch.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.stop()
+
+    def _path(self, name: str) -> Path:
+        return self.root / f"{name}.bp"
+
+    def _existing(self, name: str) -> Path:
+        path = self._path(name)
+        if not path.is_dir():
+            raise KeyNotFoundError(f"adios2: no object {name!r} in {self.root}")
+        return path
+
+    def _ensure_worker(self) -> _Worker:
+        """The worker process, (re)started if it is not running (called on the dispatch thread)."""
+        if self._worker is None or not self._worker.alive:
+            self._worker = _Worker(int(self.options.transfer_bytes))
+        return self._worker
+
+
+class _Worker:
+    """A running ``_adios2_worker.py`` process, its pipes and its shared-memory slots."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, shm_path = tempfile.mkstemp(prefix="tierstore-adios2-", dir=shm_dir)
+        try:
+            os.ftruncate(fd, slot_bytes * SLOTS)
+            self._memory = mmap.mmap(fd, slot_bytes * SLOTS)
+            request_read, self._request_write = os.pipe()
+            self._reply_read, reply_write = os.pipe()
+            self._process = subprocess.Popen(
+                # -P: the script's folder (this package) must not shadow the real adios2 module
+                [sys.executable, "-P", str(WORKER), str(request_read), str(reply_write), shm_path,
+                 str(slot_bytes), str(SLOTS)],
+                pass_fds=(request_read, reply_write),
+                stdin=subprocess.DEVNULL,
+            )
+            os.close(request_read)
+            os.close(reply_write)
+            self._requests: IO[str] = os.fdopen(self._request_write, "w")
+            self._replies: IO[str] = os.fdopen(self._reply_read, "r")
+            self._receive()  # "ready": the worker has mapped the slots
+        finally:
+            os.close(fd)
+            os.unlink(shm_path)  # both mappings stay valid; nothing is left in /dev/shm
+        self.slots = [
+            np.frombuffer(self._memory, np.uint8, slot_bytes, index * slot_bytes) for index in range(SLOTS)
+        ]
+        self._in_session = False
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def call(self, **message: Any) -> dict[str, Any]:
+        self._send(message)
+        return self._receive()
+
+    def stream(
+        self,
+        operation: Literal["put", "get"],
+        nbytes: int,
+        *,
+        base: int = 0,
+        fill: Any = None,
+        drain: Any = None,
+    ) -> None:
+        """Move ``nbytes`` through the slots, two requests in flight: ``fill`` a slot before a put,
+        ``drain`` it after a get. ``base`` offsets the object positions of a get."""
+        pending: deque[tuple[int, int, int]] = deque()
+        pieces = [(start, min(start + self.slot_bytes, nbytes)) for start in range(0, nbytes, self.slot_bytes)]
+        for index, (start, stop) in enumerate(pieces):
+            slot = index % SLOTS
+            if len(pending) == SLOTS:
+                self._finish(pending.popleft(), drain)
+            if fill is not None:
+                fill(self.slots[slot], start, stop)
+            self._send({"op": operation, "slot": slot, "offset": base + start, "length": stop - start})
+            pending.append((slot, start, stop))
+        while pending:
+            self._finish(pending.popleft(), drain)
+
+    def _finish(self, request: tuple[int, int, int], drain: Any) -> None:
+        slot, start, stop = request
+        self._receive()
+        if drain is not None:
+            drain(self.slots[slot], start, stop)
+
+    def abandon(self) -> None:
+        """After a failure mid-session: close the worker's engine, or kill a worker in a bad state."""
+        try:
+            if self.alive:
+                self._send({"op": "abort"})
+                self._receive()
+        except BackendIOError:
+            self._process.kill()
+
+    def stop(self) -> None:
+        try:
+            self._send({"op": "quit"})
+            self._process.wait(timeout=30)
+        except (BackendIOError, subprocess.TimeoutExpired):
+            self._process.kill()
+        self._requests.close()
+        self._replies.close()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            self._requests.write(json.dumps(message) + "\n")
+            self._requests.flush()
+        except (BrokenPipeError, ValueError) as error:
+            raise BackendIOError(32, f"adios2: worker process is gone ({error})") from error
+
+    def _receive(self) -> dict[str, Any]:
+        line = self._replies.readline()
+        if not line:
+            raise BackendIOError(32, f"adios2: worker process exited (status {self._process.poll()})")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise BackendIOError(5, f"adios2: {reply.get('error', 'unknown error')}")
+        return reply

@@ -1,0 +1,245 @@
+"""``zarr+file:///path``, ``zarr+memory://name``, ``zarr+s3://bucket/prefix``: Zarr v3 on any fsspec URL.
+
+Meant for the parallel-file-system tier (Lustre, GPFS, VAST mounted at a path) and object stores.
+
+**Layout.** Each object is a 1-D, uncompressed ``uint8`` Zarr v3 array named after the object at
+the root of the store, chunked in ``chunk_bytes`` (16 MiB was fastest here), written with
+``write_empty_chunks=True`` (zarr's default skips all-zero chunks, which costs a comparison per
+chunk and halved write speed here). Any Zarr v3 reader can open it.
+
+**Writes** go through zarr. Offsets must fall on chunk edges (the declared alignment): a write
+that starts inside a chunk is a read-modify-write in zarr, and two writers sharing a chunk lose
+data, so the store never issues one.
+
+**Reads.** On a mounted path, uncompressed chunks are plain files (``<name>/c/<i>``) and are read
+with ``os.preadv`` straight into the caller's buffer by a thread pool (``raw_reads``; about 2.8x
+faster than zarr's read path here). Other stores, or arrays written compressed by someone else,
+read through ``get_basic_selection(out=...)``, which also fills the caller's buffer.
+
+A path uses zarr's ``LocalStore``; any other URL uses ``FsspecStore`` with ``storage_options``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from fsspec.core import split_protocol
+from pydantic import ByteSize, Field, field_validator
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+from zarr.storage import FsspecStore, LocalStore
+
+from .._futures import when_all
+from ..buffers import ALIGNMENT
+from ..errors import BackendIOError, KeyNotFoundError, UnwritablePathError
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities
+
+LOCAL_PROTOCOLS = (None, "file", "local")
+
+
+class ZarrOptions(BackendOptions):
+    url: str
+    """A local path or ``file://`` URL (LocalStore), or any other fsspec URL (FsspecStore)."""
+    chunk_bytes: ByteSize = Field(ByteSize(16 << 20))
+    """Chunk size of new arrays; a multiple of 4096."""
+    queue_depth: int = Field(8, ge=1, le=256)
+    """Worker threads issuing requests."""
+    raw_reads: bool = True
+    """Read uncompressed chunk files of a local store directly (faster than zarr's read path)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """Passed to fsspec for non-local URLs (credentials, endpoint...)."""
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _aligned_chunks(cls, value: ByteSize) -> ByteSize:
+        if value < ALIGNMENT or value % ALIGNMENT:
+            raise ValueError(f"must be a positive multiple of {ALIGNMENT}")
+        return value
+
+
+class ZarrBackend(Backend):
+    """Objects as 1-D uint8 Zarr v3 arrays."""
+
+    scheme = "zarr"
+    Options = ZarrOptions
+    options: ZarrOptions
+
+    def __init__(self, options: BackendOptions) -> None:
+        super().__init__(options)
+        assert isinstance(options, ZarrOptions)
+        protocol, path = split_protocol(options.url)
+        self.local_root: Path | None = None
+        if protocol in LOCAL_PROTOCOLS:
+            self.local_root = Path(path).expanduser().absolute()
+            _check_writable(self.local_root)
+            self.store: LocalStore | FsspecStore = LocalStore(self.local_root)
+        else:
+            self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
+        self._persistent = protocol != "memory"
+        self._chunk = int(options.chunk_bytes)
+        self._arrays: dict[str, zarr.Array] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(options.queue_depth, thread_name_prefix="tierstore-zarr")
+
+    @classmethod
+    def options_from_url(cls, scheme: str, location: str, query: dict[str, str]) -> dict[str, Any]:  # type: ignore[override]
+        protocol = scheme.partition("+")[2] or "file"
+        return {"url": f"{protocol}://{location}", **query}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            alignment=self._chunk,
+            chunk_bytes=self._chunk,
+            partial_writes=True,
+            persistent=self._persistent,
+            direct_io=False,
+        )
+
+    # -- data path --------------------------------------------------------------------------------
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        return self._pool.submit(self._write_now, name, offset, data)
+
+    def _write_now(self, name: str, offset: int, data: memoryview) -> None:
+        end = offset + data.nbytes
+        with self._lock:
+            array = self._arrays.get(name) or self._open(name, missing_ok=True)
+            if array is None:
+                array = zarr.create_array(
+                    self.store,
+                    name=name,
+                    shape=(end,),
+                    chunks=(self._chunk,),
+                    dtype="uint8",
+                    compressors=None,
+                    filters=None,
+                    fill_value=0,
+                    config={"write_empty_chunks": True},
+                )
+                self._arrays[name] = array
+            elif array.shape[0] < end:
+                array.resize((end,))
+        if data.nbytes:
+            array[offset:end] = np.frombuffer(data, np.uint8)
+
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        array = self._array(name)
+        if self.local_root is not None and self.options.raw_reads and _plain_chunks(array):
+            chunk = int(array.chunks[0])
+            tasks = [
+                self._pool.submit(self._read_chunk_file, name, position, out[start:stop])
+                for start, stop, position in _pieces(offset, out.nbytes, chunk)
+            ]
+            return when_all(tasks, lambda: None)
+        return self._pool.submit(self._read_through_zarr, array, offset, out)
+
+    def _read_chunk_file(self, name: str, position: int, out: memoryview) -> None:
+        """Fill ``out`` from the chunk file holding byte ``position`` (a missing chunk is zeros)."""
+        assert self.local_root is not None
+        chunk = int(self._array(name).chunks[0])
+        path = self.local_root / name / "c" / str(position // chunk)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            np.frombuffer(out, np.uint8)[:] = 0
+            return
+        try:
+            done, at = 0, position % chunk
+            while done < out.nbytes:
+                got = os.preadv(fd, [out[done:]], at + done)
+                if got <= 0:
+                    raise BackendIOError(5, f"zarr: chunk file {path} is shorter than its chunk")
+                done += got
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_through_zarr(array: zarr.Array, offset: int, out: memoryview) -> None:
+        target = default_buffer_prototype().nd_buffer.from_numpy_array(np.frombuffer(out, np.uint8))
+        array.get_basic_selection(slice(offset, offset + out.nbytes), out=target)
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def _array(self, name: str) -> zarr.Array:
+        with self._lock:
+            array = self._arrays.get(name) or self._open(name, missing_ok=False)
+        assert array is not None
+        return array
+
+    def _open(self, name: str, *, missing_ok: bool) -> zarr.Array | None:
+        """Open an existing array and remember it (caller holds the lock)."""
+        if not sync(self.store.exists(f"{name}/zarr.json")):
+            if missing_ok:
+                return None
+            raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
+        array = zarr.open_array(self.store, path=name, mode="r+")
+        if array.ndim != 1 or array.dtype != np.uint8:
+            raise BackendIOError(5, f"zarr: {name!r} is not a 1-D uint8 array, not a tierstore object")
+        self._arrays[name] = array
+        return array
+
+    def _delete(self, name: str) -> None:
+        with self._lock:
+            if name not in self._arrays and not sync(self.store.exists(f"{name}/zarr.json")):
+                raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
+            self._arrays.pop(name, None)
+            sync(self.store.delete_dir(name))
+
+    def _exists(self, name: str) -> bool:
+        return name in self._arrays or bool(sync(self.store.exists(f"{name}/zarr.json")))
+
+    def _size(self, name: str) -> int:
+        return int(self._array(name).shape[0])
+
+    def _list(self) -> list[str]:
+        entries = sync(_collect(self.store.list_dir("")))
+        return [entry for entry in entries if NAME_PATTERN.fullmatch(entry) and self._exists(entry)]
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._arrays.clear()
+        self.store.close()
+
+
+def _check_writable(root: Path) -> None:
+    probe = root / f".tierstore-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UnwritablePathError(error.errno, f"zarr: cannot write to {root}: {error.strerror}") from error
+
+
+def _plain_chunks(array: zarr.Array) -> bool:
+    """Whether chunk ``i`` is the raw file ``c/i`` (no compression or filters, '/' keys)."""
+    metadata = array.metadata
+    codecs = getattr(metadata, "codecs", ())
+    encoding = getattr(metadata, "chunk_key_encoding", None)
+    return (
+        len(codecs) == 1
+        and type(codecs[0]).__name__ == "BytesCodec"
+        and getattr(encoding, "name", None) == "default"
+        and getattr(encoding, "separator", None) == "/"
+    )
+
+
+def _pieces(offset: int, nbytes: int, chunk: int) -> list[tuple[int, int, int]]:
+    """Split ``[offset, offset + nbytes)`` at chunk edges: (start, stop) in the buffer, file position."""
+    pieces = []
+    position = offset
+    while position < offset + nbytes:
+        stop = min((position // chunk + 1) * chunk, offset + nbytes)
+        pieces.append((position - offset, stop - offset, position))
+        position = stop
+    return pieces
+
+
+async def _collect(entries: AsyncIterator[str]) -> list[str]:
+    return [entry async for entry in entries]
