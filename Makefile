@@ -29,10 +29,11 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.test
 	$(BIN)/python -m pytest
 
-# Benchmarks need fio (Debian package) on the machine; run as root to let it be installed.
-bench: $(VENV)/.runtime
+# Benchmarks need fio (Debian package); run as root so it can be installed and caches dropped.
+bench: $(VENV)/.test
 	command -v fio >/dev/null || (apt-get update && apt-get install -y fio)
 	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
+	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
 
 clean:
 	rm -rf $(VENV) *.egg-info tierstore-data bench-data

@@ -92,7 +92,7 @@ class Server:
         try:
             if self.engine is not None:
                 self.engine.Close()
-        except Exception:  # noqa: BLE001 - the session is being abandoned
+        except Exception:
             pass
         self.engine = None
         self._close()
@@ -121,7 +121,9 @@ def main(argv: list[str]) -> int:
     size = int(slot_bytes) * int(slot_count)
     with open(shm_path, "r+b") as file:
         memory = mmap.mmap(file.fileno(), size)
-    slots = [np.frombuffer(memory, np.uint8, int(slot_bytes), i * int(slot_bytes)) for i in range(int(slot_count))]
+    slots = [
+        np.frombuffer(memory, np.uint8, int(slot_bytes), i * int(slot_bytes)) for i in range(int(slot_count))
+    ]
     server = Server(slots)
     with os.fdopen(int(request_fd), "r") as requests, os.fdopen(int(reply_fd), "w") as replies:
         replies.write(json.dumps({"ok": True, "ready": True}) + "\n")
@@ -136,7 +138,7 @@ def main(argv: list[str]) -> int:
                     raise ValueError(f"unknown operation {operation!r}")
                 reply = getattr(server, operation)(**message)
                 reply["ok"] = True
-            except Exception as error:  # noqa: BLE001 - reported to the parent
+            except Exception as error:
                 text = ANSI_ESCAPE.sub("", str(error))  # ADIOS2 colours its messages
                 reply = {"ok": False, "error": f"{type(error).__name__}: {text}"}
             replies.write(json.dumps(reply) + "\n")

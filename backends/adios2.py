@@ -29,6 +29,7 @@ import tempfile
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -41,6 +42,8 @@ from ..errors import BackendIOError, KeyNotFoundError, UnwritablePathError
 from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities
 
 SLOTS = 2
+SlotCallback = Callable[[np.ndarray, int, int], None]
+"""Called with a slot and the object byte range [start, stop) it holds (or is to hold)."""
 WORKER = Path(__file__).with_name("_adios2_worker.py")
 
 
@@ -116,8 +119,11 @@ class Adios2Backend(Backend):
                 parameters=self.options.parameters,
             )
             source = np.frombuffer(data, np.uint8)
-            worker.stream("put", data.nbytes, fill=lambda slot, start, stop: slot.__setitem__(
-                slice(0, stop - start), source[start:stop]))
+
+            def fill(slot: np.ndarray, start: int, stop: int) -> None:
+                slot[: stop - start] = source[start:stop]
+
+            worker.stream("put", data.nbytes, fill=fill)
             worker.call(op="write_end")
             with self._lock:
                 if final.exists():
@@ -136,10 +142,17 @@ class Adios2Backend(Backend):
         worker = self._ensure_worker()
         target = np.frombuffer(out, np.uint8)
         try:
-            worker.call(op="read_begin", path=str(self._existing(name)), engine=self.options.engine,
-                        parameters=self.options.parameters)
-            worker.stream("get", out.nbytes, base=offset, drain=lambda slot, start, stop: target.__setitem__(
-                slice(start, stop), slot[: stop - start]))
+            worker.call(
+                op="read_begin",
+                path=str(self._existing(name)),
+                engine=self.options.engine,
+                parameters=self.options.parameters,
+            )
+
+            def drain(slot: np.ndarray, start: int, stop: int) -> None:
+                target[start:stop] = slot[: stop - start]
+
+            worker.stream("get", out.nbytes, base=offset, drain=drain)
             worker.call(op="read_end")
         except BaseException:
             worker.abandon()
@@ -159,8 +172,14 @@ class Adios2Backend(Backend):
     def _query_size(self, path: Path) -> int:
         worker = self._ensure_worker()
         try:
-            size = int(worker.call(op="read_begin", path=str(path), engine=self.options.engine,
-                                   parameters=self.options.parameters)["size"])
+            size = int(
+                worker.call(
+                    op="read_begin",
+                    path=str(path),
+                    engine=self.options.engine,
+                    parameters=self.options.parameters,
+                )["size"]
+            )
             worker.call(op="read_end")
         except BaseException:
             worker.abandon()
@@ -218,8 +237,16 @@ class _Worker:
             self._reply_read, reply_write = os.pipe()
             self._process = subprocess.Popen(
                 # -P: the script's folder (this package) must not shadow the real adios2 module
-                [sys.executable, "-P", str(WORKER), str(request_read), str(reply_write), shm_path,
-                 str(slot_bytes), str(SLOTS)],
+                [
+                    sys.executable,
+                    "-P",
+                    str(WORKER),
+                    str(request_read),
+                    str(reply_write),
+                    shm_path,
+                    str(slot_bytes),
+                    str(SLOTS),
+                ],
                 pass_fds=(request_read, reply_write),
                 stdin=subprocess.DEVNULL,
             )
@@ -250,13 +277,15 @@ class _Worker:
         nbytes: int,
         *,
         base: int = 0,
-        fill: Any = None,
-        drain: Any = None,
+        fill: SlotCallback | None = None,
+        drain: SlotCallback | None = None,
     ) -> None:
         """Move ``nbytes`` through the slots, two requests in flight: ``fill`` a slot before a put,
         ``drain`` it after a get. ``base`` offsets the object positions of a get."""
         pending: deque[tuple[int, int, int]] = deque()
-        pieces = [(start, min(start + self.slot_bytes, nbytes)) for start in range(0, nbytes, self.slot_bytes)]
+        pieces = [
+            (start, min(start + self.slot_bytes, nbytes)) for start in range(0, nbytes, self.slot_bytes)
+        ]
         for index, (start, stop) in enumerate(pieces):
             slot = index % SLOTS
             if len(pending) == SLOTS:
@@ -268,7 +297,7 @@ class _Worker:
         while pending:
             self._finish(pending.popleft(), drain)
 
-    def _finish(self, request: tuple[int, int, int], drain: Any) -> None:
+    def _finish(self, request: tuple[int, int, int], drain: SlotCallback | None) -> None:
         slot, start, stop = request
         self._receive()
         if drain is not None:

@@ -14,21 +14,24 @@ and moves byte ranges between them and caller buffers. Its life cycle:
    afterwards raises :class:`~tierstore.errors.StoreClosedError`.
 
 Object semantics are those of a file: ``write`` creates the object if needed and grows it to
-``max(size, offset + len(data))``; ``read_into`` fills the whole buffer or raises
-:class:`~tierstore.errors.OutOfRangeError`. Offsets must be multiples of :attr:`Capabilities.alignment`
-(lengths need not be: the backend handles a partial last block); buffers may have any address (a backend with direct I/O bounces unaligned buffers through aligned ones, which costs a
-copy, so give it aligned buffers).
+``max(size, offset + len(data))`` (a backend without ``partial_writes`` takes only whole-object
+writes at offset 0, which replace the object); ``read_into`` fills the whole buffer or raises
+:class:`~tierstore.errors.OutOfRangeError`. Offsets must be multiples of
+:attr:`Capabilities.alignment` (lengths need not be: the backend handles a partial last block);
+buffers may have any address (a backend with direct I/O bounces unaligned buffers through aligned
+ones, which costs a copy, so give it aligned buffers).
 """
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -151,7 +154,7 @@ class Backend(ABC):
         check_name(name)
         return self._size(name)
 
-    def list(self) -> list[str]:
+    def list(self) -> builtins.list[str]:
         """Names of all objects, sorted."""
         self._check_open()
         return sorted(self._list())
@@ -167,7 +170,7 @@ class Backend(ABC):
             self._closed = True
             self._close()
 
-    def __enter__(self) -> Backend:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -195,10 +198,10 @@ class Backend(ABC):
     def _size(self, name: str) -> int: ...
 
     @abstractmethod
-    def _list(self) -> list[str]: ...
+    def _list(self) -> builtins.list[str]: ...
 
-    def _close(self) -> None:
-        """Release resources; called once."""
+    def _close(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Release resources; called once. Backends without resources keep this default."""
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -1,7 +1,8 @@
 """``dram://``: objects held in process memory.
 
 Useful as a fast, volatile tier and as the reference implementation of the backend contract.
-Each object is a ``bytearray``; copies release the GIL through numpy.
+Each object is a numpy ``uint8`` array, grown by reallocation when a write goes past its end;
+copies go through numpy, which releases the GIL for large ones.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import numpy as np
 from .._futures import completed
 from ..errors import KeyNotFoundError
 from .base import Backend, BackendOptions, Capabilities
+
+_EMPTY = np.empty(0, np.uint8)
 
 
 class DramOptions(BackendOptions):
@@ -28,7 +31,7 @@ class DramBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
-        self._objects: dict[str, bytearray] = {}
+        self._objects: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
     @property
@@ -38,16 +41,19 @@ class DramBackend(Backend):
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
         end = offset + data.nbytes
         with self._lock:
-            blob = self._objects.setdefault(name, bytearray())
-            if len(blob) < end:
-                blob.extend(bytes(end - len(blob)))
-            np.frombuffer(blob, np.uint8)[offset:end] = np.frombuffer(data, np.uint8)
+            blob = self._objects.get(name, _EMPTY)
+            if blob.size < end or name not in self._objects:
+                grown = np.empty(end, np.uint8)  # np.empty, not zeros: no pass over fresh pages
+                grown[: blob.size] = blob
+                grown[blob.size : offset] = 0  # a gap before the written range reads as zeros
+                self._objects[name] = blob = grown
+        blob[offset:end] = np.frombuffer(data, np.uint8)
         return completed(None)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
         with self._lock:
             blob = self._blob(name)
-            np.frombuffer(out, np.uint8)[:] = np.frombuffer(blob, np.uint8)[offset : offset + out.nbytes]
+        np.frombuffer(out, np.uint8)[:] = blob[offset : offset + out.nbytes]
         return completed(None)
 
     def _delete(self, name: str) -> None:
@@ -60,7 +66,7 @@ class DramBackend(Backend):
 
     def _size(self, name: str) -> int:
         with self._lock:
-            return len(self._blob(name))
+            return int(self._blob(name).size)
 
     def _list(self) -> list[str]:
         with self._lock:
@@ -70,7 +76,7 @@ class DramBackend(Backend):
         with self._lock:
             self._objects.clear()
 
-    def _blob(self, name: str) -> bytearray:
+    def _blob(self, name: str) -> np.ndarray:
         try:
             return self._objects[name]
         except KeyError:

@@ -57,9 +57,7 @@ def backend_class(name: str) -> type[Backend]:
     if target is None:
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
-            raise ConfigError(
-                f"unknown backend {name!r}; available: {', '.join(available_backends())}"
-            )
+            raise ConfigError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
         target = found[0].value
     cls = _import(name, target, builtin=name in BUILTIN_BACKENDS)
     register_backend(cls, name, clobber=True)

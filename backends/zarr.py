@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -84,12 +84,12 @@ class ZarrBackend(Backend):
             self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
         self._persistent = protocol != "memory"
         self._chunk = int(options.chunk_bytes)
-        self._arrays: dict[str, zarr.Array] = {}
+        self._arrays: dict[str, zarr.Array[Any]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(options.queue_depth, thread_name_prefix="tierstore-zarr")
 
     @classmethod
-    def options_from_url(cls, scheme: str, location: str, query: dict[str, str]) -> dict[str, Any]:  # type: ignore[override]
+    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
         protocol = scheme.partition("+")[2] or "file"
         return {"url": f"{protocol}://{location}", **query}
 
@@ -133,46 +133,29 @@ class ZarrBackend(Backend):
         array = self._array(name)
         if self.local_root is not None and self.options.raw_reads and _plain_chunks(array):
             chunk = int(array.chunks[0])
+            chunk_files = self.local_root / name / "c"
             tasks = [
-                self._pool.submit(self._read_chunk_file, name, position, out[start:stop])
+                self._pool.submit(
+                    _read_chunk_file, chunk_files / str(position // chunk), position % chunk, out[start:stop]
+                )
                 for start, stop, position in _pieces(offset, out.nbytes, chunk)
             ]
             return when_all(tasks, lambda: None)
         return self._pool.submit(self._read_through_zarr, array, offset, out)
 
-    def _read_chunk_file(self, name: str, position: int, out: memoryview) -> None:
-        """Fill ``out`` from the chunk file holding byte ``position`` (a missing chunk is zeros)."""
-        assert self.local_root is not None
-        chunk = int(self._array(name).chunks[0])
-        path = self.local_root / name / "c" / str(position // chunk)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            np.frombuffer(out, np.uint8)[:] = 0
-            return
-        try:
-            done, at = 0, position % chunk
-            while done < out.nbytes:
-                got = os.preadv(fd, [out[done:]], at + done)
-                if got <= 0:
-                    raise BackendIOError(5, f"zarr: chunk file {path} is shorter than its chunk")
-                done += got
-        finally:
-            os.close(fd)
-
     @staticmethod
-    def _read_through_zarr(array: zarr.Array, offset: int, out: memoryview) -> None:
+    def _read_through_zarr(array: zarr.Array[Any], offset: int, out: memoryview) -> None:
         target = default_buffer_prototype().nd_buffer.from_numpy_array(np.frombuffer(out, np.uint8))
         array.get_basic_selection(slice(offset, offset + out.nbytes), out=target)
 
     # -- metadata ---------------------------------------------------------------------------------
-    def _array(self, name: str) -> zarr.Array:
+    def _array(self, name: str) -> zarr.Array[Any]:
         with self._lock:
             array = self._arrays.get(name) or self._open(name, missing_ok=False)
         assert array is not None
         return array
 
-    def _open(self, name: str, *, missing_ok: bool) -> zarr.Array | None:
+    def _open(self, name: str, *, missing_ok: bool) -> zarr.Array[Any] | None:
         """Open an existing array and remember it (caller holds the lock)."""
         if not sync(self.store.exists(f"{name}/zarr.json")):
             if missing_ok:
@@ -217,10 +200,28 @@ def _check_writable(root: Path) -> None:
         raise UnwritablePathError(error.errno, f"zarr: cannot write to {root}: {error.strerror}") from error
 
 
-def _plain_chunks(array: zarr.Array) -> bool:
+def _read_chunk_file(path: Path, at: int, out: memoryview) -> None:
+    """Fill ``out`` from byte ``at`` of one uncompressed chunk file (a missing chunk is zeros)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        np.frombuffer(out, np.uint8)[:] = 0
+        return
+    try:
+        done = 0
+        while done < out.nbytes:
+            got = os.preadv(fd, [out[done:]], at + done)
+            if got <= 0:
+                raise BackendIOError(5, f"zarr: chunk file {path} is shorter than its chunk")
+            done += got
+    finally:
+        os.close(fd)
+
+
+def _plain_chunks(array: zarr.Array[Any]) -> bool:
     """Whether chunk ``i`` is the raw file ``c/i`` (no compression or filters, '/' keys)."""
     metadata = array.metadata
-    codecs = getattr(metadata, "codecs", ())
+    codecs: tuple[Any, ...] = tuple(getattr(metadata, "codecs", ()))
     encoding = getattr(metadata, "chunk_key_encoding", None)
     return (
         len(codecs) == 1

@@ -2,9 +2,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
-from tierstore.backends import open_backend
 
 StoreFactory = Callable[..., TierStore]
 
@@ -20,7 +20,11 @@ def make_store(tmp_path: Path, tier_kind: str) -> Iterator[StoreFactory]:
     stores: list[TierStore] = []
 
     def factory(**options: object) -> TierStore:
-        url = "dram://" if tier_kind == "dram" else f"nvme://{tmp_path / f'tier{len(stores)}'}?chunk_bytes=65536"
+        url = (
+            "dram://"
+            if tier_kind == "dram"
+            else f"nvme://{tmp_path / f'tier{len(stores)}'}?chunk_bytes=65536"
+        )
         store = TierStore([Tier(tier_kind, open_backend(url))], **options)  # type: ignore[arg-type]
         stores.append(store)
         return store

@@ -5,10 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from adios2 import FileReader
-
-from tierstore import AlignmentError
 from tierstore.backends import Backend, open_backend
 from tierstore.backends.adios2 import Adios2Backend
+
+from tierstore import AlignmentError
 from tierstore.testing import BackendTests
 
 

@@ -1,7 +1,9 @@
 from pathlib import Path
 
+import numpy as np
 from tierstore.backends import Backend, open_backend
 from tierstore.backends.dram import DramBackend
+
 from tierstore.testing import BackendTests
 
 
@@ -11,8 +13,8 @@ class TestDramBackend(BackendTests):
 
     def raw_get(self, backend: Backend, name: str) -> bytes:
         assert isinstance(backend, DramBackend)
-        return bytes(backend._objects[name])
+        return backend._objects[name].tobytes()
 
     def raw_set(self, backend: Backend, name: str, data: bytes) -> None:
         assert isinstance(backend, DramBackend)
-        backend._objects[name] = bytearray(data)
+        backend._objects[name] = np.frombuffer(data, np.uint8).copy()

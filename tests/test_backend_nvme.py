@@ -3,10 +3,9 @@ import os
 from pathlib import Path
 
 import pytest
-
-from tierstore.backends import Backend, open_backend
-from tierstore.backends import nvme
+from tierstore.backends import Backend, nvme, open_backend
 from tierstore.backends.nvme import NvmeBackend
+
 from tierstore.errors import ConfigError, UnwritablePathError
 from tierstore.testing import BackendTests
 

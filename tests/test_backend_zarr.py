@@ -3,10 +3,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from zarr.storage import LocalStore
-
 from tierstore.backends import Backend, open_backend
 from tierstore.backends.zarr import ZarrBackend
+from zarr.storage import LocalStore
+
 from tierstore.testing import BackendTests
 
 SMALL_CHUNKS = "chunk_bytes=65536&queue_depth=4"

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from tierstore.backends import Backend, open_backend
 
 from . import test_backend_zarr as local  # not the class itself: pytest would collect it twice
@@ -31,8 +30,10 @@ def remote_mount() -> Iterator[Path]:
         pytest.skip(f"no remote-tier script at {SCRIPT} (set TIERSTORE_REMOTE_MOUNT to a mount)")
     if os.geteuid() != 0:
         pytest.skip("mounting the remote tier needs root")
-    was_up = subprocess.run([str(SCRIPT), "status"], capture_output=True, text=True).returncode == 0
-    started = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True)
+    was_up = (
+        subprocess.run([str(SCRIPT), "status"], capture_output=True, text=True, check=False).returncode == 0
+    )
+    started = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True, check=False)
     if started.returncode != 0:
         pytest.skip(f"remote tier could not be mounted: {started.stderr.strip()[-300:]}")
     mounted = re.search(r"up: (\S+)", started.stdout)  # "up: MNT (...)" or "already up: MNT"
@@ -40,7 +41,7 @@ def remote_mount() -> Iterator[Path]:
         pytest.skip(f"remote tier script said: {started.stdout.strip()[-300:]}")
     yield Path(mounted.group(1))
     if not was_up:
-        subprocess.run([str(SCRIPT), "stop"], capture_output=True)
+        subprocess.run([str(SCRIPT), "stop"], capture_output=True, check=False)
 
 
 class TestZarrRemoteBackend(local.TestZarrLocalBackend):

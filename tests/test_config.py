@@ -37,7 +37,9 @@ def test_embedded_default_config_is_valid() -> None:
 
 
 def test_backend_given_as_table(tmp_path: Path) -> None:
-    config = {"tiers": [{"name": "fast", "backend": {"type": "nvme", "path": str(tmp_path), "queue_depth": 2}}]}
+    config = {
+        "tiers": [{"name": "fast", "backend": {"type": "nvme", "path": str(tmp_path), "queue_depth": 2}}]
+    }
     with TierStore.from_config(config) as store:
         assert store.tiers[0].backend.options.queue_depth == 2  # type: ignore[attr-defined]
 
@@ -48,13 +50,19 @@ def test_backend_given_as_table(tmp_path: Path) -> None:
         ({}, r"config\.tiers: Field required"),
         ({"tiers": []}, r"config\.tiers: List should have at least 1 item"),
         ({"tiers": [{"name": "a", "backend": "dram://"}], "cache": {"budget": "lots"}}, r"cache\.budget"),
-        ({"tiers": [{"name": "a", "backend": "dram://"}], "cache": {"policy": "sometimes"}}, r"cache\.policy"),
+        (
+            {"tiers": [{"name": "a", "backend": "dram://"}], "cache": {"policy": "sometimes"}},
+            r"cache\.policy",
+        ),
         ({"tiers": [{"name": "a", "backend": "dram://"}], "extra": 1}, r"config\.extra: Extra inputs"),
         ({"tiers": [{"name": "a/b", "backend": "dram://"}]}, r"tiers\.0\.name"),
         ({"tiers": [{"name": "a", "backend": "dram://"}] * 2}, r"tier names must be unique; repeated: a"),
         ({"tiers": [{"name": "a"}]}, r"tiers\.0\.backend: Field required"),
         ({"tiers": [{"name": "a", "backend": "warp:///x"}]}, r"unknown backend 'warp'"),
-        ({"tiers": [{"name": "a", "backend": "no-scheme"}]}, r"tiers\.0\.backend: 'no-scheme' is not a backend URL"),
+        (
+            {"tiers": [{"name": "a", "backend": "no-scheme"}]},
+            r"tiers\.0\.backend: 'no-scheme' is not a backend URL",
+        ),
         ({"tiers": [{"name": "a", "backend": {"path": "/x"}}]}, r"tiers\.0\.backend\.type: missing"),
         ({"tiers": [{"name": "a", "backend": "nvme:///x?queue_depth=0"}]}, r"tiers\.0\.backend\.queue_depth"),
         ({"tiers": [{"name": "a", "backend": "dram://?size=3"}]}, r"tiers\.0\.backend\.size: Extra inputs"),
@@ -86,3 +94,31 @@ def test_unwritable_tier_path_closes_already_opened_tiers(tmp_path: Path) -> Non
     }
     with pytest.raises(UnwritablePathError):
         TierStore.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "dram://",
+        "nvme://{root}",
+        "zarr+file://{root}?chunk_bytes=64KiB",
+        "zarr+memory://{name}",
+        "adios2://{root}",
+    ],
+)
+def test_swapping_the_backend_is_one_line(tmp_path: Path, backend: str) -> None:
+    """The same document, the same workload; only the tier's backend URL differs."""
+    config = {
+        "cache": {"budget": "64KiB"},
+        "tiers": [{"name": "tier", "backend": backend.format(root=tmp_path / "data", name=tmp_path.name)}],
+    }
+    tensors = {
+        f"k{i}": torch.randn(1000 + 3 * i).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(12)
+    }
+    with TierStore.from_config(config) as store:
+        for key, tensor in tensors.items():
+            store[key] = tensor
+        store.flush()
+        assert store.stats()["tiers"]["tier"]["bytes_written"] > 0
+        for key, tensor in tensors.items():
+            assert torch.equal(store[key], tensor)

@@ -2,11 +2,11 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-
-from tierstore import ConfigError
 from tierstore.backends import Backend, available_backends, backend_class, open_backend, register_backend
 from tierstore.backends.dram import DramBackend
 from tierstore.backends.nvme import NvmeBackend
+
+from tierstore import ConfigError
 
 
 def test_builtins_are_found_by_name_and_url(tmp_path: Path) -> None:
@@ -86,8 +86,9 @@ def test_third_party_backend_installed_through_the_entry_point(
         assert type(backend).__name__ == "TinyBackend"
         backend.write("x", 0, b"hi").result()
         assert backend.size("x") == 2
-    from tierstore import TierStore
     import torch
+
+    from tierstore import TierStore
 
     with TierStore.from_config({"tiers": [{"name": "t", "backend": "tiny://"}]}) as store:
         store["k"] = torch.arange(3)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tierstore.backends.dram import DramBackend, DramOptions
 
 from tierstore import (
     BackendIOError,
@@ -17,13 +18,20 @@ from tierstore import (
     Tier,
     TierStore,
 )
-from tierstore.backends.dram import DramBackend, DramOptions
 
 from .conftest import StoreFactory
 
 DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-    torch.int32, torch.int64, torch.bool, torch.complex64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
 ]
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (13, 17), (2, 3, 4, 5), (1025,)]
 
@@ -242,7 +250,7 @@ def test_concurrent_clients(make_store: StoreFactory) -> None:
                 value = random_tensor((2000 + index,), torch.float32, index * 100 + round_)
                 store[key] = value
                 assert torch.equal(store[key], value)
-        except BaseException as error:  # noqa: BLE001
+        except BaseException as error:
             errors.append(error)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]

@@ -9,9 +9,9 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tierstore.backends import open_backend
 
 from tierstore import KeyNotFoundError, Tier, TierStore
-from tierstore.backends import open_backend
 
 KEYS = st.sampled_from(["a", "b", "c", "d", "e", "layer.0/w"])
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])

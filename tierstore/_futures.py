@@ -39,7 +39,7 @@ def when_all(futures: Sequence[Future[Any]], on_done: Callable[[], T]) -> Future
         first_error = next((f.exception() for f in futures if f.exception() is not None), None)
         try:
             result = on_done()
-        except BaseException as error:  # noqa: BLE001 - reported through the future
+        except BaseException as error:
             combined.set_exception(first_error or error)
             return
         if first_error is not None:

@@ -30,7 +30,7 @@ class KeyedSerializer:
                 return
             try:
                 result.set_result(fn(*args))
-            except BaseException as error:  # noqa: BLE001 - delivered through the future
+            except BaseException as error:
                 result.set_exception(error)
 
         with self._lock:

@@ -38,7 +38,7 @@ def buffer_address(buffer: memoryview) -> int:
 class AlignedBuffer:
     """A page-aligned, optionally CUDA-pinned block of host memory of fixed capacity."""
 
-    __slots__ = ("capacity", "pinned", "_array", "tensor")
+    __slots__ = ("_array", "capacity", "pinned", "tensor")
 
     def __init__(self, capacity: int, *, pin: bool = False) -> None:
         self.capacity = round_up(max(capacity, 1))
@@ -55,17 +55,17 @@ class AlignedBuffer:
 
     def memoryview(self, nbytes: int) -> memoryview:
         """The first ``nbytes`` bytes as a writable memoryview (what backends consume)."""
-        return memoryview(self._array[:nbytes])
+        return self._array[:nbytes].data
 
     def free(self) -> None:
         """Unpin; the mapping itself is unmapped once the last view of it is gone."""
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
             self.pinned = False
 
 
 def _cuda_host_register(tensor: torch.Tensor) -> None:
-    status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)  # type: ignore[no-untyped-call]
     if int(status) != 0:
         raise CapacityError(f"cudaHostRegister of {tensor.numel()} bytes failed (status {status})")
 

@@ -23,7 +23,6 @@ from .errors import ConfigError, TierStoreError
 from .store import TierStore
 
 
-
 def _byte_size(text: str) -> int:
     try:
         return parse_byte_size(text)
@@ -49,8 +48,13 @@ def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str,
         "total_bytes": count * object_bytes,
         "cache_budget_bytes": int(settings.cache.budget),
     }
-    base = torch.randint(-(2**31), 2**31 - 1, (object_bytes // 4,), dtype=torch.int32,
-                         generator=torch.Generator().manual_seed(0))
+    base = torch.randint(
+        -(2**31),
+        2**31 - 1,
+        (object_bytes // 4,),
+        dtype=torch.int32,
+        generator=torch.Generator().manual_seed(0),
+    )
     with TierStore.from_config(settings) as store:
         started = time.perf_counter()
         pending = []

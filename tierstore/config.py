@@ -28,7 +28,6 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, Valida
 
 from .errors import ConfigError, config_error_from_validation
 
-
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
 

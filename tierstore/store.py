@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 
@@ -95,8 +95,7 @@ class TierStore:
         if policy not in ("write-back", "write-through"):
             raise InvalidKeyError(f"policy must be 'write-back' or 'write-through', not {policy!r}")
         self.tiers = [
-            tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier)
-            for index, tier in enumerate(tiers)
+            tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
         self.policy = policy
         self.cache_reads = cache_reads
@@ -158,7 +157,7 @@ class TierStore:
             if not isinstance(out, torch.Tensor):
                 raise BufferMismatchError(f"get({key!r}): out must be a torch.Tensor")
             record = self._records.get(key)
-            if record is not None:
+            if record is not None and not self._serial.pending(key):  # else a queued put decides
                 _check_out(key, record, out)
         return self._serial.submit(key, self._get, key, out)
 
@@ -263,7 +262,7 @@ class TierStore:
         for tier in self.tiers:
             tier.backend.close()
 
-    def __enter__(self) -> TierStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -414,12 +413,10 @@ class TierStore:
         try:
             placement = self._reserve(entry.nbytes)
             future = placement.tier.write(placement.name, entry.buffer.memoryview(entry.nbytes))
-        except BaseException as error:  # noqa: BLE001 - recorded on the entry
+        except BaseException as error:
             self._finish_write_back(entry, None, error)
             return
-        future.add_done_callback(
-            lambda done: self._finish_write_back(entry, placement, done.exception())
-        )
+        future.add_done_callback(lambda done: self._finish_write_back(entry, placement, done.exception()))
 
     def _finish_write_back(
         self,
@@ -527,8 +524,7 @@ class TierStore:
 def _check_key(key: object) -> None:
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
         raise InvalidKeyError(
-            f"keys are non-empty strings of at most {MAX_KEY_LENGTH} characters without NUL; "
-            f"got {key!r}"
+            f"keys are non-empty strings of at most {MAX_KEY_LENGTH} characters without NUL; got {key!r}"
         )
 
 
@@ -542,4 +538,4 @@ def _check_out(key: str, record: _Record, out: torch.Tensor) -> None:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data

@@ -7,6 +7,7 @@ several backends changes this module and nothing above it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -54,10 +55,8 @@ class Tier:
 
     def discard(self, placement: Placement) -> None:
         """Delete an object version and give its capacity back; a missing object is fine."""
-        try:
+        with contextlib.suppress(KeyNotFoundError):
             self.backend.delete(placement.name)
-        except KeyNotFoundError:
-            pass
         with self._lock:
             self.used_bytes -= placement.nbytes
 

@@ -166,7 +166,7 @@ class BackendTests(ABC):
                     self.write_whole(backend, name, data)
                     assert self.read_whole(backend, name) == data.tobytes()
                     backend.delete(name)
-            except BaseException as error:  # noqa: BLE001 - reported below
+            except BaseException as error:
                 errors.append(error)
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]

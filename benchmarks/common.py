@@ -1,0 +1,271 @@
+"""Pieces shared by the benchmark scripts: arguments, data directory, fio, buffers, metadata.
+
+The scripts import it as ``from common import ...``, which works because running
+``python benchmarks/bench_*.py`` puts ``benchmarks/`` on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierstore.buffers import AlignedBuffer
+from tierstore.config import parse_byte_size
+from tierstore.errors import ConfigError
+
+FIO_BLOCK = 4 << 20
+"""fio's --bs (fio reads "4M" as 4 MiB)."""
+
+FIO_ARGS = [
+    "--direct=1",
+    "--ioengine=libaio",
+    "--bs=4M",
+    "--iodepth=16",
+    "--numjobs=1",
+    "--output-format=json",
+]
+"""fio options shared by the write and read jobs (plus --name, --filename, --rw, --size)."""
+
+
+# -- arguments -------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """Parse ``"64MiB"``, ``"1GiB"``, ``"4096"`` into a positive byte count (argparse type)."""
+    try:
+        nbytes = parse_byte_size(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return nbytes
+
+
+def parse_fio_sizes(text: str) -> list[int]:
+    """Parse a comma-separated, non-empty list of sizes that are whole fio blocks (4 MiB)."""
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("the list of sizes is empty")
+    odd = [format_size(size) for size in sizes if size % FIO_BLOCK]
+    if odd:  # fio moves whole --bs blocks only, so other sizes would compare different amounts
+        raise argparse.ArgumentTypeError(
+            f"sizes must be multiples of fio's block size (4MiB): {', '.join(odd)}"
+        )
+    return sizes
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def format_size(nbytes: int) -> str:
+    """``67108864`` -> ``"64MiB"`` (binary units when exact, else bytes)."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes % factor == 0:
+            return f"{nbytes // factor}{unit}"
+    return f"{nbytes}B"
+
+
+def argument_parser(doc: str, sizes: str, repeats: int) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark has: --dir, --sizes, --repeats, --output."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="directory on the disk under test (default: a fresh directory under ./bench-data)",
+    )
+    parser.add_argument("--sizes", type=parse_fio_sizes, default=parse_fio_sizes(sizes))
+    parser.add_argument("--repeats", type=positive_int, default=repeats)
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    return parser
+
+
+# -- running ---------------------------------------------------------------------------------------
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_benchmark(
+    run: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    args: argparse.Namespace,
+    prefix: str,
+) -> int:
+    """Call ``run(args, directory)`` in a data directory, print its JSON and save it to --output."""
+    if shutil.which("fio") is None:
+        raise RuntimeError("fio is not installed (or not on PATH)")
+    # SIGTERM -> SystemExit, so the data directory is removed as on Ctrl-C or an error.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with data_directory(args.dir, prefix) as directory:
+        document = run(args, directory)
+    text = json.dumps(document, indent=2)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+@contextmanager
+def data_directory(requested: Path | None, prefix: str = "bench-") -> Iterator[Path]:
+    """Yield an empty-or-existing directory for the data and remove what was created in it."""
+    if requested is None:
+        parent = Path("bench-data").absolute()
+        made_parent = not parent.exists()
+        parent.mkdir(parents=True, exist_ok=True)
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        try:
+            yield directory
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+            if made_parent:
+                with contextlib.suppress(OSError):  # someone else put something there meanwhile
+                    parent.rmdir()
+        return
+    directory = requested.expanduser().absolute()
+    made = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    before = set(os.listdir(directory))
+    try:
+        yield directory
+    finally:  # a user-given directory: remove only what this run created
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            for name in set(os.listdir(directory)) - before:
+                path = directory / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+
+# -- measurements ----------------------------------------------------------------------------------
+def timed(action: Callable[[], None]) -> float:
+    """Seconds taken by ``action`` after an ``os.sync()``."""
+    os.sync()
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def drop_caches() -> bool:
+    """``os.sync()``, then drop the page cache (root only); whether it could be dropped."""
+    os.sync()
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as control:
+            control.write("3\n")
+    except OSError:  # e.g. a read-only /proc/sys in a container
+        return False
+    return True
+
+
+def run_fio(path: Path, rw: str, nbytes: int) -> float:
+    """Run one fio job and return its bandwidth in bytes/s (``bw_bytes`` of the job)."""
+    command = [
+        "fio",
+        "--name=bench",
+        f"--filename={path}",
+        f"--rw={rw}",
+        f"--size={nbytes}",
+        *FIO_ARGS,
+    ]
+    os.sync()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"fio failed ({done.returncode}): {' '.join(command)}\n{done.stderr}")
+    report = json.loads(done.stdout[done.stdout.index("{") :])  # fio may print notes first
+    job = report["jobs"][0]
+    if job.get("error"):
+        raise RuntimeError(f"fio job error {job['error']}: {' '.join(command)}")
+    side = "write" if rw == "write" else "read"
+    if job[side]["io_bytes"] != nbytes:
+        raise RuntimeError(f"fio {rw} moved {job[side]['io_bytes']} bytes, expected {nbytes}")
+    return float(job[side]["bw_bytes"])
+
+
+def measure_fio(directory: Path, nbytes: int) -> dict[str, float]:
+    """fio write then read bandwidth (bytes/s) of one file of ``nbytes``; the file is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"fio-{nbytes}.dat"
+    path.unlink(missing_ok=True)
+    try:
+        write = run_fio(path, "write", nbytes)  # also lays the file out for the read job
+        read = run_fio(path, "read", nbytes)
+    finally:
+        path.unlink(missing_ok=True)
+    return {"fio_write": write, "fio_read": read}
+
+
+def fill_random(buffer: AlignedBuffer, nbytes: int, seed: int) -> None:
+    """Fill the first ``nbytes`` with pseudo-random bytes in 1..255 (never zero).
+
+    One 16 MiB random block is drawn and copied with a different rotation into each 16 MiB of the
+    buffer: incompressible, no two blocks alike, and ~5x faster than drawing every byte.
+    """
+    block = 16 << 20
+    pattern = np.random.default_rng(seed).integers(1, 256, size=block, dtype=np.uint8)
+    array = buffer.tensor.numpy()[:nbytes]
+    for index, start in enumerate(range(0, nbytes, block)):
+        target = array[start : start + block]
+        shift = (index * 4099) % block  # 4099 is prime: rotations are never page-aligned
+        head = pattern[shift : shift + target.size]
+        target[: head.size] = head
+        target[head.size :] = pattern[: target.size - head.size]
+
+
+def check_same(readback: AlignedBuffer, data: AlignedBuffer, nbytes: int, who: str) -> None:
+    """Raise AssertionError unless the first ``nbytes`` of both buffers are equal."""
+    if not torch.equal(readback.view(nbytes), data.view(nbytes)):
+        mismatch = int((readback.view(nbytes) != data.view(nbytes)).sum())
+        raise AssertionError(f"{who} read back different data: {mismatch} of {nbytes} bytes differ")
+
+
+# -- metadata --------------------------------------------------------------------------------------
+def run_text(command: list[str]) -> str | None:
+    """stdout of ``command`` stripped, or None if it cannot run or fails."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return " ".join(done.stdout.split())
+
+
+def metadata(directory: Path, **fields: Any) -> dict[str, Any]:
+    """Date, the benchmark's own ``fields``, then where and with what it ran."""
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **fields,
+        "directory": str(directory),
+        "filesystem": run_text(["stat", "-f", "-c", "%T", str(directory)]),
+        "mount": run_text(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", str(directory)]),
+        "fio_version": run_text(["fio", "--version"]),
+        "fio_args": FIO_ARGS,
+        "host": {
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "units": "GB/s = 1e9 bytes/s",
+    }
