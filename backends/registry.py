@@ -25,6 +25,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "nvme": "tierstore.backends.nvme:NvmeBackend",
     "zarr": "tierstore.backends.zarr:ZarrBackend",
     "adios2": "tierstore.backends.adios2:Adios2Backend",
+    "throttle": "tierstore.backends.throttle:ThrottleBackend",
 }
 """Registry name -> ``module:Class`` of the backends shipped with tierstore."""
 

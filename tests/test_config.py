@@ -57,7 +57,33 @@ def test_backend_given_as_table(tmp_path: Path) -> None:
         ({"tiers": [{"name": "a", "backend": "dram://"}], "extra": 1}, r"config\.extra: Extra inputs"),
         ({"tiers": [{"name": "a/b", "backend": "dram://"}]}, r"tiers\.0\.name"),
         ({"tiers": [{"name": "a", "backend": "dram://"}] * 2}, r"tier names must be unique; repeated: a"),
-        ({"tiers": [{"name": "a"}]}, r"tiers\.0\.backend: Field required"),
+        ({"tiers": [{"name": "a"}]}, r"tiers\.0: Value error, give either 'backend' \(one path\) or 'paths'"),
+        (
+            {"tiers": [{"name": "a", "backend": "dram://", "paths": [{"backend": "dram://"}]}]},
+            r"tiers\.0: .*not both or neither",
+        ),
+        ({"tiers": [{"name": "a", "paths": []}]}, r"tiers\.0\.paths: List should have at least 1 item"),
+        (
+            {"tiers": [{"name": "a", "paths": [{"backend": "dram://", "max_reads": 0}]}]},
+            r"tiers\.0\.paths\.0\.max_reads",
+        ),
+        (
+            {"tiers": [{"name": "a", "paths": [{"backend": "dram://"}, {"backend": "warp://"}]}]},
+            r"unknown backend 'warp'",
+        ),
+        (
+            {"tiers": [{"name": "a", "paths": [{"backend": "nvme:///x?chunk_bytes=3"}]}]},
+            r"tiers\.0\.paths\.0\.backend\.chunk_bytes",
+        ),
+        ({"tiers": [{"name": "a", "backend": "dram://", "placement": "scatter"}]}, r"tiers\.0\.placement"),
+        (
+            {"tiers": [{"name": "a", "paths": [{"backend": "dram://", "bandwidth": {"read": "fast"}}]}]},
+            r"tiers\.0\.paths\.0\.bandwidth\.read",
+        ),
+        (
+            {"tiers": [{"name": "a", "paths": [{"backend": "dram://", "node_limit": {"key": "../x"}}]}]},
+            r"tiers\.0\.paths\.0\.node_limit\.key",
+        ),
         ({"tiers": [{"name": "a", "backend": "warp:///x"}]}, r"unknown backend 'warp'"),
         (
             {"tiers": [{"name": "a", "backend": "no-scheme"}]},

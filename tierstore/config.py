@@ -24,7 +24,16 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError, config_error_from_validation
 
@@ -37,6 +46,9 @@ def parse_byte_size(text: str | int) -> int:
         return int(_BYTE_SIZE.validate_python(text))
     except ValidationError:
         raise ConfigError(f"{text!r} is not a size such as 4096, 64MiB or 2GB") from None
+
+
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$"
 
 
 class _Strict(BaseModel):
@@ -53,12 +65,62 @@ class CacheConfig(_Strict):
     """Keep objects read from a tier in the cache (False: read straight into the destination)."""
 
 
-class TierConfig(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+class BandwidthConfig(_Strict):
+    """A path's bandwidth in bytes per second (e.g. ``"1.5GB"``), when known in advance."""
+
+    read: ByteSize
+    write: ByteSize
+
+
+class NodeLimitConfig(_Strict):
+    """Slots shared by every process on the node that names the same ``key`` (a shared PFS)."""
+
+    key: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,100}$")
+    max_reads: int = Field(1, ge=1, le=1024)
+    max_writes: int = Field(1, ge=1, le=1024)
+    directory: Path | None = None
+    """Where the lock files live (default /dev/shm/tierstore-limits)."""
+
+
+class PathConfig(_Strict):
+    name: str | None = Field(None, pattern=NAME_PATTERN)
     backend: str | dict[str, Any]
     """A backend URL (``nvme:///path``) or a table with ``type`` and the backend's options."""
+    max_reads: int = Field(4, ge=1, le=1024)
+    """Read requests in flight on this path (each request is one object's extent)."""
+    max_writes: int = Field(4, ge=1, le=1024)
+    bandwidth: BandwidthConfig | None = None
+    """Known bandwidth; otherwise probed (``probe = true``) or learned from traffic."""
+    node_limit: NodeLimitConfig | None = None
+
+
+class TierConfig(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    backend: str | dict[str, Any] | None = None
+    """Shorthand for a tier of one path."""
+    paths: list[PathConfig] | None = Field(None, min_length=1)
+    """Several paths acting as one tier (MLP-Offload's virtual tier)."""
+    placement: Literal["stripe", "place"] = "stripe"
+    """stripe: split every object across the paths by bandwidth; place: whole objects per path."""
+    adapt: bool = True
+    """Re-weight the paths from their observed throughput (EWMA)."""
+    probe: bool = False
+    """Measure unconfigured paths' bandwidth when the store opens (cached on disk)."""
     capacity: ByteSize | None = None
     """Bytes this tier may hold; objects go to the first tier with room."""
+
+    @model_validator(mode="after")
+    def _one_way_to_give_paths(self) -> TierConfig:
+        if (self.backend is None) == (self.paths is None):
+            raise ValueError("give either 'backend' (one path) or 'paths' (several), not both or neither")
+        return self
+
+    def path_configs(self) -> list[PathConfig]:
+        """The tier's paths, the one-path shorthand expanded."""
+        if self.paths is not None:
+            return self.paths
+        assert self.backend is not None
+        return [PathConfig(backend=self.backend)]
 
 
 class StoreConfig(_Strict):

@@ -32,7 +32,7 @@ import torch
 
 from ._futures import when_all
 from ._serial import KeyedSerializer
-from .backends import Backend, open_backend
+from .backends import Backend
 from .buffers import AlignedBuffer, BufferPool, round_up
 from .cache import CacheEntry, LruIndex
 from .config import ConfigSource, default_config, load_config
@@ -44,6 +44,7 @@ from .errors import (
     KeyNotFoundError,
     StoreClosedError,
 )
+from .limits import Priority
 from .tier import Placement, Tier
 
 MAX_KEY_LENGTH = 1024
@@ -60,6 +61,8 @@ class ObjectInfo:
     nbytes: int
     tier: str | None
     """Tier holding the committed persistent copy, or None if it lives only in the cache."""
+    extents: list[dict[str, Any]]
+    """Where that copy's bytes are: path name, object offset and length of each extent."""
     cached: bool
     dirty: bool
     """The cached copy is newer than any persistent copy."""
@@ -118,11 +121,10 @@ class TierStore:
         tiers: list[Tier] = []
         try:
             for index, tier in enumerate(settings.tiers):
-                backend = open_backend(tier.backend, where=f"tiers.{index}.backend")
-                tiers.append(Tier(tier.name, backend, tier.capacity))
+                tiers.append(Tier.from_config(tier, where=f"tiers.{index}"))
         except BaseException:
             for opened in tiers:
-                opened.backend.close()
+                opened.close()
             raise
         return cls(
             tiers,
@@ -221,6 +223,7 @@ class TierStore:
                 dtype=record.dtype,
                 nbytes=record.nbytes,
                 tier=record.persisted.tier.name if record.persisted else None,
+                extents=record.persisted.describe() if record.persisted else [],
                 cached=entry is not None,
                 dirty=entry is not None and entry.dirty,
             )
@@ -233,14 +236,7 @@ class TierStore:
                 "cache_budget_bytes": self._pool.capacity,
                 "cache_bytes": self._pool.allocated_bytes,
                 "peak_cache_bytes": self._peak_cache_bytes,
-                "tiers": {
-                    tier.name: {
-                        "used_bytes": tier.used_bytes,
-                        "bytes_written": tier.bytes_written,
-                        "bytes_read": tier.bytes_read,
-                    }
-                    for tier in self.tiers
-                },
+                "tiers": {tier.name: tier.stats() for tier in self.tiers},
             }
 
     def close(self) -> None:
@@ -260,7 +256,7 @@ class TierStore:
             placement.tier.discard(placement)
         self._pool.clear()
         for tier in self.tiers:
-            tier.backend.close()
+            tier.close()
 
     def __enter__(self) -> Self:
         return self
@@ -293,7 +289,7 @@ class TierStore:
         record = _Record(tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
         if not self._pool.fits(record.nbytes):  # larger than the whole cache: straight to a tier
             source = tensor.cpu().contiguous()
-            record.persisted = self._write_to_tier(_bytes_of(source))
+            record.persisted = self._write_to_tier(_bytes_of(source), Priority.CRITICAL)
             self._commit(key, record)
             return
         buffer = self._acquire(record.nbytes)
@@ -301,7 +297,7 @@ class TierStore:
         try:
             entry.typed(record.dtype, record.shape).copy_(tensor)
             if self.policy == "write-through":
-                record.persisted = self._write_to_tier(buffer.memoryview(record.nbytes))
+                record.persisted = self._write_to_tier(buffer.memoryview(record.nbytes), Priority.CRITICAL)
                 entry.dirty = False
         except BaseException:
             self._pool.release(buffer)
@@ -322,7 +318,7 @@ class TierStore:
             else:
                 self._stats["misses"] += 1
         if entry is None and self.cache_reads and self._pool.fits(record.nbytes):
-            entry = self._load(key, record, pinned=True)
+            entry = self._load(key, record, Priority.CRITICAL, pinned=True)
         if entry is None:  # not cached and not to be cached: read straight into the destination
             return self._read_direct(record, out)
         try:
@@ -343,7 +339,7 @@ class TierStore:
                 f"prefetch({key!r}): {record.nbytes} bytes exceed the cache budget of "
                 f"{self._pool.capacity} bytes"
             )
-        self._load(key, record, pinned=False)
+        self._load(key, record, Priority.PREFETCH, pinned=False)
 
     def _delete(self, key: str) -> None:
         with self._cond:
@@ -355,12 +351,13 @@ class TierStore:
             record.persisted.tier.discard(record.persisted)
 
     # -- cache mechanics --------------------------------------------------------------------------
-    def _load(self, key: str, record: _Record, *, pinned: bool) -> CacheEntry:
+    def _load(self, key: str, record: _Record, priority: Priority, *, pinned: bool) -> CacheEntry:
         """Read a persisted object into a new clean cache entry and attach it."""
-        assert record.persisted is not None
+        placement = record.persisted
+        assert placement is not None
         buffer = self._acquire(record.nbytes)
         try:
-            record.persisted.tier.read_into(record.persisted, buffer.memoryview(record.nbytes)).result()
+            placement.tier.read_into(placement, buffer.memoryview(record.nbytes), priority).result()
         except BaseException:
             self._pool.release(buffer)
             raise
@@ -411,8 +408,7 @@ class TierStore:
     def _write_back(self, entry: CacheEntry) -> None:
         """Write a marked cache entry to a tier, outside the lock; completes asynchronously."""
         try:
-            placement = self._reserve(entry.nbytes)
-            future = placement.tier.write(placement.name, entry.buffer.memoryview(entry.nbytes))
+            placement, future = self._start_write(entry.buffer.memoryview(entry.nbytes), Priority.BACKGROUND)
         except BaseException as error:
             self._finish_write_back(entry, None, error)
             return
@@ -447,16 +443,21 @@ class TierStore:
         for stale in garbage:
             stale.tier.discard(stale)
 
-    def _reserve(self, nbytes: int) -> Placement:
+    def _start_write(self, data: memoryview, priority: Priority) -> tuple[Placement, Future[None]]:
+        """Start writing a new object version to the first tier with room."""
         for tier in self.tiers:
-            if tier.reserve(nbytes):
-                return Placement(tier, next(self._names), nbytes)
-        raise CapacityError(f"no tier has room for an object of {nbytes} bytes")
+            if tier.reserve(data.nbytes):
+                try:
+                    return tier.write(next(self._names), data, priority)
+                except BaseException:
+                    tier.release(data.nbytes)
+                    raise
+        raise CapacityError(f"no tier has room for an object of {data.nbytes} bytes")
 
-    def _write_to_tier(self, data: memoryview) -> Placement:
-        placement = self._reserve(data.nbytes)
+    def _write_to_tier(self, data: memoryview, priority: Priority) -> Placement:
+        placement, future = self._start_write(data, priority)
         try:
-            placement.tier.write(placement.name, data).result()
+            future.result()
         except BaseException:
             placement.tier.discard(placement)
             raise
@@ -467,7 +468,7 @@ class TierStore:
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         destination = out if direct else torch.empty(record.shape, dtype=record.dtype)
         assert destination is not None
-        record.persisted.tier.read_into(record.persisted, _bytes_of(destination)).result()
+        record.persisted.tier.read_into(record.persisted, _bytes_of(destination), Priority.CRITICAL).result()
         if out is not None and not direct:
             out.copy_(destination)
             return out

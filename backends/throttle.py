@@ -1,0 +1,154 @@
+"""``throttle``: EMULATION of a slower path, a token bucket in front of another backend.
+
+This machine has one disk, and two directories on it share its bandwidth, so paths of different
+speeds (a node-local NVMe beside a parallel file system) are emulated by rate-limiting another
+backend, typically ``dram://``. It is a test and benchmark device, not a production backend::
+
+    {"type": "throttle", "inner": "dram://", "read_bytes_per_s": "400MB", "write_bytes_per_s": "400MB"}
+
+Transfers are cut into ``piece_bytes`` pieces; each piece takes its tokens before it moves, so
+concurrent requests share the path's rate. :meth:`ThrottleBackend.set_rates` changes the rates at
+run time (a path that slows down mid-run).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pydantic import ByteSize, Field
+
+from .base import Backend, BackendOptions, Capabilities
+from .registry import open_backend
+
+
+class ThrottleOptions(BackendOptions):
+    inner: str | dict[str, Any]
+    """The backend being slowed down (URL or table)."""
+    read_bytes_per_s: ByteSize | None = None
+    """Read rate (None: unlimited)."""
+    write_bytes_per_s: ByteSize | None = None
+    piece_bytes: ByteSize = Field(ByteSize(1 << 20), ge=4096)
+    """Tokens are taken per piece of this size (rounded up to the inner backend's alignment)."""
+    workers: int = Field(8, ge=1, le=256)
+
+
+class TokenBucket:
+    """Bytes per second with a burst of one piece; consumers that overdraw sleep off their debt."""
+
+    def __init__(self, rate: float | None, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def set_rate(self, rate: float | None) -> None:
+        with self._lock:
+            self._refill()
+            self.rate = rate
+
+    def consume(self, nbytes: int) -> None:
+        with self._lock:
+            if self.rate is None:
+                return
+            self._refill()
+            self._tokens -= nbytes
+            debt = -self._tokens
+            rate = self.rate
+        if debt > 0:
+            time.sleep(debt / rate)
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        if self.rate is not None:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
+        self._last = now
+
+
+class ThrottleBackend(Backend):
+    """Another backend, slowed to a configured rate (emulation; see the module docstring)."""
+
+    scheme = "throttle"
+    Options = ThrottleOptions
+    options: ThrottleOptions
+
+    def __init__(self, options: BackendOptions) -> None:
+        super().__init__(options)
+        assert isinstance(options, ThrottleOptions)
+        self.inner = open_backend(options.inner, where="throttle.inner")
+        caps = self.inner.capabilities
+        self._piece = -(-int(options.piece_bytes) // caps.alignment) * caps.alignment
+        self._buckets = {
+            "read": TokenBucket(_rate(options.read_bytes_per_s), self._piece),
+            "write": TokenBucket(_rate(options.write_bytes_per_s), self._piece),
+        }
+        self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="tierstore-throttle")
+
+    @classmethod
+    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
+        return dict(query)  # throttle://?inner=dram://&write_bytes_per_s=400MB
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def set_rates(self, *, read: float | None = None, write: float | None = None) -> None:
+        """New rates in bytes/s (None leaves that direction unchanged)."""
+        if read is not None:
+            self._buckets["read"].set_rate(read)
+        if write is not None:
+            self._buckets["write"].set_rate(write)
+
+    def rates(self) -> dict[str, float | None]:
+        return {direction: bucket.rate for direction, bucket in self._buckets.items()}
+
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        return self._pool.submit(self._write_now, name, offset, data)
+
+    def _write_now(self, name: str, offset: int, data: memoryview) -> None:
+        bucket = self._buckets["write"]
+        if not self.inner.capabilities.partial_writes:  # whole objects only: pay, then write
+            for start in range(0, data.nbytes, self._piece):
+                bucket.consume(min(self._piece, data.nbytes - start))
+            self.inner.write(name, offset, data).result()
+            return
+        if data.nbytes == 0:
+            self.inner.write(name, offset, data).result()
+        for start in range(0, data.nbytes, self._piece):
+            piece = data[start : start + self._piece]
+            bucket.consume(piece.nbytes)
+            self.inner.write(name, offset + start, piece).result()
+
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        return self._pool.submit(self._read_now, name, offset, out)
+
+    def _read_now(self, name: str, offset: int, out: memoryview) -> None:
+        bucket = self._buckets["read"]
+        for start in range(0, out.nbytes, self._piece):
+            piece = out[start : start + self._piece]
+            bucket.consume(piece.nbytes)
+            self.inner.read_into(name, offset + start, piece).result()
+
+    def _delete(self, name: str) -> None:
+        self.inner.delete(name)
+
+    def _exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def _size(self, name: str) -> int:
+        return self.inner.size(name)
+
+    def _list(self) -> list[str]:
+        return self.inner.list()
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.inner.close()
+
+
+def _rate(value: ByteSize | None) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,75 @@
+import time
+from pathlib import Path
+
+import pytest
+from tierstore.backends import Backend, open_backend
+from tierstore.backends.dram import DramBackend
+from tierstore.backends.throttle import ThrottleBackend, TokenBucket
+
+from tierstore.testing import BackendTests
+
+
+def _inner(backend: Backend) -> DramBackend:
+    assert isinstance(backend, ThrottleBackend) and isinstance(backend.inner, DramBackend)
+    return backend.inner
+
+
+class TestThrottleBackend(BackendTests):
+    """The wrapper honours the contract (fast rates keep the suite quick)."""
+
+    def open(self, root: Path) -> Backend:
+        return open_backend(
+            {
+                "type": "throttle",
+                "inner": "dram://",
+                "read_bytes_per_s": "4GB",
+                "write_bytes_per_s": "4GB",
+                "piece_bytes": "64KiB",
+            }
+        )
+
+    def raw_get(self, backend: Backend, name: str) -> bytes:
+        return _inner(backend)._objects[name].tobytes()
+
+    def raw_set(self, backend: Backend, name: str, data: bytes) -> None:
+        _inner(backend).write(name, 0, data).result()
+
+
+def test_rate_is_a_lower_bound_on_transfer_time() -> None:
+    """Sleeps make the emulated path at least this slow, whatever the machine's load."""
+    rate = 40e6
+    with open_backend(
+        {"type": "throttle", "inner": "dram://", "write_bytes_per_s": rate, "read_bytes_per_s": rate}
+    ) as backend:
+        data = bytes(8 << 20)
+        started = time.monotonic()
+        backend.write("x", 0, data).result()
+        written = time.monotonic() - started
+        started = time.monotonic()
+        backend.read_into("x", 0, bytearray(len(data))).result()
+        read = time.monotonic() - started
+    burst = 1 << 20  # the bucket starts full: one piece is free
+    assert written >= (len(data) - burst) / rate
+    assert read >= (len(data) - burst) / rate
+
+
+def test_rates_change_at_run_time() -> None:
+    with open_backend({"type": "throttle", "inner": "dram://", "write_bytes_per_s": "1GB"}) as backend:
+        assert isinstance(backend, ThrottleBackend)
+        backend.set_rates(write=250e6)
+        assert backend.rates() == {"read": None, "write": 250e6}
+
+
+def test_token_bucket_unlimited_never_sleeps() -> None:
+    bucket = TokenBucket(None, 4096)
+    started = time.monotonic()
+    for _ in range(1000):
+        bucket.consume(1 << 30)
+    assert time.monotonic() - started < 1.0
+
+
+def test_throttle_needs_a_valid_inner_backend() -> None:
+    from tierstore import ConfigError
+
+    with pytest.raises(ConfigError, match=r"throttle\.inner"):
+        open_backend({"type": "throttle", "inner": {"path": "/x"}})

@@ -1,0 +1,170 @@
+"""Virtual tiers: objects striped or placed across several paths, through the whole store."""
+
+import random
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import BackendIOError, Tier, TierStore
+from tierstore.backends import open_backend
+from tierstore.backends.dram import DramBackend, DramOptions
+from tierstore.bandwidth import Bandwidth
+from tierstore.limits import Priority
+from tierstore.tier import TierPath
+
+
+def dram_path(name: str, read: float, write: float) -> TierPath:
+    return TierPath(name, DramBackend(DramOptions()), bandwidth=Bandwidth(read, write), adapt=False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_striped_objects_reassemble_under_random_weights(seed: int) -> None:
+    rng = random.Random(seed)
+    paths = [dram_path(f"p{i}", rng.uniform(1, 100), rng.uniform(1, 100)) for i in range(rng.randint(2, 5))]
+    with TierStore([Tier("v", paths)], cache_budget=0) as store:
+        values = {}
+        for index in range(10):
+            shape = (rng.randint(0, 50_000),)
+            values[f"k{index}"] = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32)
+            store[f"k{index}"] = values[f"k{index}"]
+        for key, value in values.items():
+            assert torch.equal(store[key], value)
+            extents = store.info(key).extents
+            assert sum(e["length"] for e in extents) == value.nbytes
+            out = torch.empty_like(value)
+            store.get(key, out=out).result()
+            assert torch.equal(out, value)
+
+
+def test_stripe_shares_follow_bandwidth_and_are_recorded() -> None:
+    paths = [dram_path("fast", 400e6, 400e6), dram_path("mid", 200e6, 200e6), dram_path("slow", 100e6, 100e6)]
+    with TierStore([Tier("v", paths)], cache_budget=0) as store:
+        store["x"] = torch.zeros(7 << 20, dtype=torch.uint8)
+        extents = store.info("x").extents
+        assert [e["path"] for e in extents] == ["fast", "mid", "slow"]
+        assert [e["length"] for e in extents] == [4 << 20, 2 << 20, 1 << 20]
+        for path, extent in zip(paths, extents, strict=True):
+            names = path.backend.list()
+            assert len(names) == 1 and path.backend.size(names[0]) == extent["length"]
+
+
+def test_place_sends_whole_objects_in_bandwidth_proportion() -> None:
+    paths = [dram_path("nvme", 300e6, 300e6), dram_path("pfs", 150e6, 150e6)]
+    with TierStore([Tier("v", paths, placement="place")], cache_budget=0) as store:
+        for index in range(30):
+            store[f"s{index}"] = torch.full((1000,), index)
+        placed = [store.info(f"s{i}").extents[0]["path"] for i in range(30)]
+        assert placed.count("nvme") == 20 and placed.count("pfs") == 10
+        assert all(len(store.info(f"s{i}").extents) == 1 for i in range(30))
+        assert all(torch.equal(store[f"s{i}"], torch.full((1000,), i)) for i in range(30))
+
+
+def test_unmeasured_paths_split_equally_then_learn() -> None:
+    paths = [TierPath(f"p{i}", DramBackend(DramOptions())) for i in range(2)]
+    tier = Tier("v", paths)
+    assert tier.weights() == [1.0, 1.0]
+    with TierStore([tier], cache_budget=0) as store:
+        for index in range(8):
+            store[f"k{index}"] = torch.zeros(4 << 20, dtype=torch.uint8)
+            store[f"k{index}"]
+        assert all(path.bandwidth() is not None for path in paths)
+        stats = store.stats()["tiers"]["v"]["paths"]
+        assert stats["p0"]["write"]["bytes"] > 0 and stats["p0"]["read"]["gb_per_s"] > 0
+
+
+class FailingDram(DramBackend):
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        super()._write(name, offset, data[: data.nbytes // 2])
+        raise BackendIOError(5, "path failed")
+
+
+def test_a_failing_path_leaves_no_extent_behind() -> None:
+    good = TierPath("good", DramBackend(DramOptions()))
+    bad = TierPath("bad", FailingDram(DramOptions()))
+    with TierStore([Tier("v", [good, bad])], cache_budget=0) as store:
+        with pytest.raises(BackendIOError, match="path failed"):
+            store["x"] = torch.zeros(1 << 20, dtype=torch.uint8)
+        assert "x" not in store
+        assert good.backend.list() == [] and bad.backend.list() == []
+        assert store.tiers[0].used_bytes == 0
+
+
+def test_multi_path_tier_from_config(tmp_path: Path) -> None:
+    config = {
+        "cache": {"budget": "1MiB"},
+        "tiers": [
+            {
+                "name": "virtual",
+                "placement": "stripe",
+                "paths": [
+                    {
+                        "name": "local",
+                        "backend": f"nvme://{tmp_path / 'a'}",
+                        "bandwidth": {"read": "2GB", "write": "1GB"},
+                    },
+                    {
+                        "name": "remote",
+                        "backend": f"zarr+file://{tmp_path / 'b'}?chunk_bytes=1MiB",
+                        "bandwidth": {"read": "1GB", "write": "0.5GB"},
+                        "max_reads": 1,
+                        "max_writes": 1,
+                        "node_limit": {"key": f"test-{tmp_path.name}", "directory": str(tmp_path / "locks")},
+                    },
+                ],
+            }
+        ],
+    }
+    with TierStore.from_config(config) as store:
+        value = torch.randn(3 << 20)  # 12 MiB: bigger than the cache, striped 2:1
+        store["w"] = value
+        extents = store.info("w").extents
+        assert [e["path"] for e in extents] == ["local", "remote"]
+        assert extents[0]["length"] == 8 << 20
+        assert torch.equal(store["w"], value)
+        assert sorted(p.name for p in (tmp_path / "locks").iterdir()) == [
+            f"test-{tmp_path.name}.read.0.lock",
+            f"test-{tmp_path.name}.write.0.lock",
+        ]
+
+
+def test_probe_results_are_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = {"tiers": [{"name": "t", "probe": True, "backend": f"nvme://{tmp_path / 'd'}"}]}
+    with TierStore.from_config(config) as store:
+        first = store.tiers[0].paths[0].configured
+    assert first is not None and first.read > 0 and first.write > 0
+    assert (tmp_path / "cache" / "tierstore" / "bandwidth.json").exists()
+    with TierStore.from_config(config) as store:
+        assert store.tiers[0].paths[0].configured == first  # from the cache, not re-measured
+
+
+def test_tier_priorities_reach_the_paths() -> None:
+    path = dram_path("p", 1e9, 1e9)
+    tier = Tier("v", [path])
+    placement, future = tier.write("obj", memoryview(bytes(4096)), Priority.BACKGROUND)
+    future.result()
+    tier.read_into(placement, memoryview(bytearray(4096)), Priority.CRITICAL).result()
+    assert path.scheduler.telemetry.requests == 2
+    tier.close()
+
+
+def test_open_backend_errors_close_earlier_paths(tmp_path: Path) -> None:
+    from tierstore import UnwritablePathError
+
+    (tmp_path / "file").write_text("x")
+    config = {
+        "tiers": [
+            {
+                "name": "v",
+                "paths": [
+                    {"backend": f"nvme://{tmp_path / 'ok'}"},
+                    {"backend": f"nvme://{tmp_path / 'file' / 'x'}"},
+                ],
+            }
+        ]
+    }
+    with pytest.raises(UnwritablePathError):
+        TierStore.from_config(config)
+    assert open_backend(f"nvme://{tmp_path / 'ok'}").list() == []
