@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tierstore import BackendIOError, Tier, TierStore
 from tierstore.backends import open_backend
 from tierstore.backends.dram import DramBackend, DramOptions
+
+from tierstore import BackendIOError, Tier, TierStore
 from tierstore.bandwidth import Bandwidth
 from tierstore.limits import Priority
 from tierstore.tier import TierPath
