@@ -1,7 +1,7 @@
 """``dram://``: objects held in process memory.
 
 Useful as a fast, volatile tier and as the reference implementation of the backend contract.
-Each object is a numpy ``uint8`` array, grown by reallocation when a write goes past its end;
+Each object is a numpy ``uint8`` array, grown geometrically when a write goes past its end;
 copies go through numpy, which releases the GIL for large ones.
 """
 
@@ -31,53 +31,65 @@ class DramBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
-        self._objects: dict[str, np.ndarray] = {}
+        self._buffers: dict[str, np.ndarray] = {}
+        """Each object's memory; may be longer than the object (room to grow)."""
+        self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(alignment=1, partial_writes=True, persistent=False, direct_io=False)
 
+    def view(self, name: str) -> np.ndarray:
+        """The object's bytes, without copying (the raw medium, for tests and wrappers)."""
+        with self._lock:
+            return self._buffer(name)[: self._sizes[name]]
+
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
         end = offset + data.nbytes
         with self._lock:
-            blob = self._objects.get(name, _EMPTY)
-            if blob.size < end or name not in self._objects:
-                grown = np.empty(end, np.uint8)  # np.empty, not zeros: no pass over fresh pages
-                grown[: blob.size] = blob
-                grown[blob.size : offset] = 0  # a gap before the written range reads as zeros
-                self._objects[name] = blob = grown
-        blob[offset:end] = np.frombuffer(data, np.uint8)
+            buffer = self._buffers.get(name, _EMPTY)
+            size = self._sizes.get(name, 0)
+            if buffer.size < end or name not in self._buffers:  # grow geometrically: linear time
+                grown = np.empty(max(end, 2 * buffer.size), np.uint8)  # empty: no pass over new pages
+                grown[:size] = buffer[:size]
+                self._buffers[name] = buffer = grown
+            if offset > size:
+                buffer[size:offset] = 0  # a gap before the written range reads as zeros
+            self._sizes[name] = max(size, end)
+        buffer[offset:end] = np.frombuffer(data, np.uint8)
         return completed(None)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
         with self._lock:
-            blob = self._blob(name)
-        np.frombuffer(out, np.uint8)[:] = blob[offset : offset + out.nbytes]
+            buffer = self._buffer(name)
+        np.frombuffer(out, np.uint8)[:] = buffer[offset : offset + out.nbytes]
         return completed(None)
 
     def _delete(self, name: str) -> None:
         with self._lock:
-            self._blob(name)
-            del self._objects[name]
+            self._buffer(name)
+            del self._buffers[name], self._sizes[name]
 
     def _exists(self, name: str) -> bool:
-        return name in self._objects
+        return name in self._sizes
 
     def _size(self, name: str) -> int:
         with self._lock:
-            return int(self._blob(name).size)
+            self._buffer(name)
+            return self._sizes[name]
 
     def _list(self) -> list[str]:
         with self._lock:
-            return list(self._objects)
+            return list(self._sizes)
 
     def _close(self) -> None:
         with self._lock:
-            self._objects.clear()
+            self._buffers.clear()
+            self._sizes.clear()
 
-    def _blob(self, name: str) -> np.ndarray:
+    def _buffer(self, name: str) -> np.ndarray:
         try:
-            return self._objects[name]
+            return self._buffers[name]
         except KeyError:
             raise KeyNotFoundError(f"dram: no object {name!r}") from None

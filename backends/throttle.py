@@ -6,7 +6,7 @@ backend, typically ``dram://``. It is a test and benchmark device, not a product
 
     {"type": "throttle", "inner": "dram://", "read_bytes_per_s": "400MB", "write_bytes_per_s": "400MB"}
 
-Transfers are cut into ``piece_bytes`` pieces; each piece takes its tokens before it moves, so
+Transfers are cut into ``piece_bytes`` pieces paced by a virtual clock (:class:`Pacer`), so
 concurrent requests share the path's rate. :meth:`ThrottleBackend.set_rates` changes the rates at
 run time (a path that slows down mid-run).
 """
@@ -32,41 +32,37 @@ class ThrottleOptions(BackendOptions):
     """Read rate (None: unlimited)."""
     write_bytes_per_s: ByteSize | None = None
     piece_bytes: ByteSize = Field(ByteSize(1 << 20), ge=4096)
-    """Tokens are taken per piece of this size (rounded up to the inner backend's alignment)."""
+    """Pacing granularity (rounded up to the inner backend's alignment)."""
     workers: int = Field(8, ge=1, le=256)
 
 
-class TokenBucket:
-    """Bytes per second with a burst of one piece; consumers that overdraw sleep off their debt."""
+class Pacer:
+    """A fixed-bandwidth link: each piece occupies the link for ``nbytes / rate`` seconds.
 
-    def __init__(self, rate: float | None, burst: int) -> None:
+    A virtual clock, not a bucket with burst credit: a piece that arrives at an idle link finishes
+    ``nbytes / rate`` after its I/O began, and concurrent pieces queue behind one another, so a
+    measurement of any length sees exactly ``rate`` (or the inner backend's speed, if slower).
+    """
+
+    def __init__(self, rate: float | None) -> None:
         self.rate = rate
-        self.burst = burst
-        self._tokens = float(burst)
-        self._last = time.monotonic()
+        self._free_at = 0.0
         self._lock = threading.Lock()
 
     def set_rate(self, rate: float | None) -> None:
         with self._lock:
-            self._refill()
             self.rate = rate
 
-    def consume(self, nbytes: int) -> None:
+    def pace(self, nbytes: int, began: float) -> None:
+        """Sleep until a piece of ``nbytes`` whose I/O began at ``began`` may be done."""
         with self._lock:
             if self.rate is None:
                 return
-            self._refill()
-            self._tokens -= nbytes
-            debt = -self._tokens
-            rate = self.rate
-        if debt > 0:
-            time.sleep(debt / rate)
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        if self.rate is not None:
-            self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.rate)
-        self._last = now
+            start = max(began, self._free_at)
+            self._free_at = done = start + nbytes / self.rate
+        delay = done - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
 
 
 class ThrottleBackend(Backend):
@@ -82,9 +78,9 @@ class ThrottleBackend(Backend):
         self.inner = open_backend(options.inner, where="throttle.inner")
         caps = self.inner.capabilities
         self._piece = -(-int(options.piece_bytes) // caps.alignment) * caps.alignment
-        self._buckets = {
-            "read": TokenBucket(_rate(options.read_bytes_per_s), self._piece),
-            "write": TokenBucket(_rate(options.write_bytes_per_s), self._piece),
+        self._pacers = {
+            "read": Pacer(_rate(options.read_bytes_per_s)),
+            "write": Pacer(_rate(options.write_bytes_per_s)),
         }
         self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="tierstore-throttle")
 
@@ -99,39 +95,39 @@ class ThrottleBackend(Backend):
     def set_rates(self, *, read: float | None = None, write: float | None = None) -> None:
         """New rates in bytes/s (None leaves that direction unchanged)."""
         if read is not None:
-            self._buckets["read"].set_rate(read)
+            self._pacers["read"].set_rate(read)
         if write is not None:
-            self._buckets["write"].set_rate(write)
+            self._pacers["write"].set_rate(write)
 
     def rates(self) -> dict[str, float | None]:
-        return {direction: bucket.rate for direction, bucket in self._buckets.items()}
+        return {direction: pacer.rate for direction, pacer in self._pacers.items()}
 
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
         return self._pool.submit(self._write_now, name, offset, data)
 
     def _write_now(self, name: str, offset: int, data: memoryview) -> None:
-        bucket = self._buckets["write"]
-        if not self.inner.capabilities.partial_writes:  # whole objects only: pay, then write
-            for start in range(0, data.nbytes, self._piece):
-                bucket.consume(min(self._piece, data.nbytes - start))
+        pacer = self._pacers["write"]
+        if not self.inner.capabilities.partial_writes or data.nbytes == 0:  # whole objects only
+            began = time.monotonic()
             self.inner.write(name, offset, data).result()
+            pacer.pace(data.nbytes, began)
             return
-        if data.nbytes == 0:
-            self.inner.write(name, offset, data).result()
         for start in range(0, data.nbytes, self._piece):
             piece = data[start : start + self._piece]
-            bucket.consume(piece.nbytes)
+            began = time.monotonic()
             self.inner.write(name, offset + start, piece).result()
+            pacer.pace(piece.nbytes, began)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
         return self._pool.submit(self._read_now, name, offset, out)
 
     def _read_now(self, name: str, offset: int, out: memoryview) -> None:
-        bucket = self._buckets["read"]
+        pacer = self._pacers["read"]
         for start in range(0, out.nbytes, self._piece):
             piece = out[start : start + self._piece]
-            bucket.consume(piece.nbytes)
+            began = time.monotonic()
             self.inner.read_into(name, offset + start, piece).result()
+            pacer.pace(piece.nbytes, began)
 
     def _delete(self, name: str) -> None:
         self.inner.delete(name)

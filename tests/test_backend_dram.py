@@ -13,8 +13,9 @@ class TestDramBackend(BackendTests):
 
     def raw_get(self, backend: Backend, name: str) -> bytes:
         assert isinstance(backend, DramBackend)
-        return backend._objects[name].tobytes()
+        return backend.view(name).tobytes()
 
     def raw_set(self, backend: Backend, name: str, data: bytes) -> None:
         assert isinstance(backend, DramBackend)
-        backend._objects[name] = np.frombuffer(data, np.uint8).copy()
+        backend._buffers[name] = np.frombuffer(data, np.uint8).copy()
+        backend._sizes[name] = len(data)

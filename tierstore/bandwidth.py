@@ -23,45 +23,55 @@ from .buffers import AlignedBuffer
 
 
 class ThroughputMeter:
-    """EWMA of bytes per busy second, fed by request start/finish events (thread-safe)."""
+    """EWMA of a path's throughput, one sample per completed request (thread-safe).
 
-    def __init__(self, initial: float | None = None, *, alpha: float = 0.3, window: float = 0.02) -> None:
+    Requests in flight share the path, so a request that took ``d`` seconds for ``b`` bytes while
+    on average ``n`` requests were in flight saw the path move ``b * n / d`` bytes per second. The
+    meter keeps the integral of the in-flight count over time to know ``n`` for each request; with
+    one request at a time it is simply ``b / d``.
+    """
+
+    def __init__(self, initial: float | None = None, *, alpha: float = 0.3) -> None:
         self.estimate = initial
         self.alpha = alpha
-        self.window = window
-        self._active = 0
-        self._since = 0.0
-        self._busy = 0.0
-        self._bytes = 0
         self.busy_seconds = 0.0
         self.total_bytes = 0
+        self._active = 0
+        self._occupancy = 0.0  # integral of the in-flight count over time
+        self._last = time.monotonic()
         self._lock = threading.Lock()
 
-    def started(self) -> None:
+    def started(self) -> tuple[float, float]:
+        """Note a request's start; pass the returned stamp to :meth:`finished`."""
         with self._lock:
-            now = time.monotonic()
-            if self._active == 0:
-                self._since = now
+            now = self._advance()
             self._active += 1
+            return now, self._occupancy
 
-    def finished(self, nbytes: int) -> None:
+    def finished(self, stamp: tuple[float, float], nbytes: int) -> None:
         """A request ended, having moved ``nbytes`` (0 if it failed)."""
         with self._lock:
-            now = time.monotonic()
-            self._busy += now - self._since
-            self.busy_seconds += now - self._since
-            self.total_bytes += nbytes
-            self._since = now
+            now = self._advance()
             self._active -= 1
-            self._bytes += nbytes
-            if self._bytes and (self.estimate is None or self._busy >= self.window):  # any beats none
-                sample = self._bytes / self._busy
+            self.total_bytes += nbytes
+            began, occupancy = stamp
+            duration = now - began
+            if nbytes and duration > 0:
+                sharing = max(1.0, (self._occupancy - occupancy) / duration)
+                sample = nbytes * sharing / duration
                 self.estimate = (
                     sample
                     if self.estimate is None
                     else (self.alpha * sample + (1 - self.alpha) * self.estimate)
                 )
-                self._busy, self._bytes = 0.0, 0
+
+    def _advance(self) -> float:
+        now = time.monotonic()
+        if self._active:
+            self._occupancy += self._active * (now - self._last)
+            self.busy_seconds += now - self._last
+        self._last = now
+        return now
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
 """The ``tierstore`` command line.
 
-``tierstore demo`` spills a set of tensors several times larger than the DRAM budget through the
-store (embedded default config: DRAM cache over an NVMe tier in ./tierstore-data), reads every one
-back, verifies it bit for bit and prints the throughput of each phase.
+* ``tierstore demo``: spill tensors several times larger than the DRAM budget through the store
+  (embedded default config: DRAM cache over an NVMe tier in ./tierstore-data), read every one back,
+  verify it bit for bit, print the throughput of each phase.
+* ``tierstore probe CONFIG``: measure (or show the cached) read and write bandwidth of every path.
+* ``tierstore bench CONFIG``: throughput of each path alone and of each tier with all its paths,
+  with a progress bar, JSON output and a PNG of GB/s per path over time.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .config import default_config, load_config, parse_byte_size
+from .backends import open_backend
+from .bandwidth import ProbeCache, probe
+from .bench import Timeline, measure_path, measure_tier, plot_timeline
+from .config import StoreConfig, default_config, load_config, parse_byte_size
 from .errors import ConfigError, TierStoreError
 from .store import TierStore
+from .tier import Tier
 
 
 def _byte_size(text: str) -> int:
@@ -86,8 +93,63 @@ def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str,
     return report
 
 
+def run_probe(config: StoreConfig, size: int, refresh: bool) -> dict[str, Any]:
+    """Bandwidth of every path of every tier (cached unless ``refresh``)."""
+    cache = ProbeCache()
+    report: dict[str, Any] = {}
+    for index, tier in enumerate(config.tiers):
+        for position, path in enumerate(tier.path_configs()):
+            identity = json.dumps(path.backend, sort_keys=True, default=str)
+            name = path.name or f"{tier.name}.{position}"
+            cached = None if refresh else cache.get(identity)
+            if cached is None:
+                with open_backend(path.backend, where=f"tiers.{index}.backend") as backend:
+                    cached = probe(backend, size)
+                cache.put(identity, cached)
+            report[name] = {"tier": tier.name, "backend": path.backend, **cached.as_gbps()}
+    return report
+
+
+def run_bench(config: StoreConfig, size: int, count: int, plot: Path | None) -> dict[str, Any]:
+    """Each path alone, then each tier with all its paths, sampled over time."""
+    report: dict[str, Any] = {"object_bytes": size, "objects": count, "tiers": {}}
+    series: dict[str, list[tuple[float, float]]] = {}
+    offset = 0.0
+    for index, tier_config in enumerate(config.tiers):
+        tier = Tier.from_config(tier_config, where=f"tiers.{index}")
+        try:
+            phases = 2 * count * (len(tier.paths) + 1)
+            with tqdm(total=phases, desc=tier.name, unit="obj", file=sys.stderr) as bar:
+                solo = {}
+                with Timeline(tier.paths) as timeline:
+                    for path in tier.paths:
+                        solo[path.name] = measure_path(path, size, count, progress=bar.update)
+                    combined = measure_tier(tier, size, count, progress=bar.update)
+            for name, points in timeline.rates().items():
+                series[name] = series.get(name, []) + [(t + offset, g) for t, g in points]
+            offset = max((t for points in series.values() for t, _ in points), default=offset)
+            combined.pop("object_write_seconds")
+            report["tiers"][tier.name] = {
+                "placement": tier.placement,
+                "paths_alone": solo,
+                "tier": combined,
+                "sum_of_paths_alone": {
+                    side: round(sum(figures[side] for figures in solo.values()), 4)
+                    for side in ("write_gb_per_s", "read_gb_per_s")
+                },
+                "stats": tier.stats(),
+            }
+        finally:
+            tier.close()
+    report["timeline_gb_per_s"] = series
+    if plot is not None:
+        plot_timeline(series, f"tierstore bench: {size >> 20} MiB objects", str(plot))
+        report["plot"] = str(plot)
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tierstore", description=(__doc__ or "").split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="spill tensors larger than the DRAM budget and read them back")
     where = demo.add_mutually_exclusive_group()
@@ -95,16 +157,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     where.add_argument("--dir", type=Path, help="directory of the default config's NVMe tier")
     demo.add_argument("--total", type=_byte_size, default=_byte_size("1GiB"), help="bytes to spill (1GiB)")
     demo.add_argument("--object", type=_byte_size, default=_byte_size("32MiB"), help="object size (32MiB)")
+    probe_command = commands.add_parser("probe", help="measure each path's read and write bandwidth")
+    probe_command.add_argument("config", type=Path)
+    probe_command.add_argument("--size", type=_byte_size, default=_byte_size("64MiB"), help="probe object")
+    probe_command.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
+    bench = commands.add_parser("bench", help="throughput of each path and of each multi-path tier")
+    bench.add_argument("config", type=Path)
+    bench.add_argument("--size", type=_byte_size, default=_byte_size("64MiB"), help="object size (64MiB)")
+    bench.add_argument("--objects", type=int, default=8, help="objects per measurement (8)")
+    bench.add_argument("--output", type=Path, help="write the JSON report here too")
+    bench.add_argument("--plot", type=Path, help="PNG of GB/s per path over time (needs matplotlib)")
     args = parser.parse_args(argv)
 
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        config = load_config(args.config)
+        if args.command == "probe":
+            report = run_probe(config, args.size, args.refresh)
+        else:
+            if args.objects < 1:
+                parser.error("--objects must be >= 1")
+            report = run_bench(config, args.size, args.objects, args.plot)
+    except TierStoreError as error:
+        print(f"tierstore {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        print(
+            f"tierstore {args.command}: needs {error.name!r}: pip install 'tierstore[plot]'", file=sys.stderr
+        )
+        return 2
+    text = json.dumps(report, indent=2, default=str)
+    if getattr(args, "output", None) is not None:
+        args.output.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
     config = default_config() if args.config is None else load_config(args.config).model_dump()
     if args.dir is not None:
         config["tiers"][0]["backend"]["path"] = str(args.dir)
-    try:
-        report = run_demo(config, args.total, args.object)
-    except TierStoreError as error:
-        print(f"tierstore demo: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
+    report = run_demo(config, args.total, args.object)
     print(json.dumps(report, indent=2))
     print(
         f"spilled {report['total_bytes'] / 2**30:.2f} GiB ({report['objects']} objects, "

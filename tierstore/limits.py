@@ -180,8 +180,8 @@ class PathScheduler:
                 )
                 telemetry.queue_wait_seconds += time.monotonic() - request.queued_at
                 telemetry.requests += 1
-                self.meters[request.direction].started()
-            self._start(request, slot)
+                stamp = self.meters[request.direction].started()
+            self._start(request, slot, stamp)
 
     def _next_startable(self) -> tuple[_Request | None, int | None, float | None]:
         """The most urgent request that may start now (under the lock), its node slot, and how
@@ -209,20 +209,22 @@ class PathScheduler:
             return request, slot, None
         return None, None, retry
 
-    def _start(self, request: _Request, slot: int | None) -> None:
+    def _start(self, request: _Request, slot: int | None, stamp: tuple[float, float]) -> None:
         try:
             inner = request.start()
         except BaseException as error:
-            self._finish(request, slot, error)
+            self._finish(request, slot, stamp, error)
             return
-        inner.add_done_callback(lambda done: self._finish(request, slot, done.exception()))
+        inner.add_done_callback(lambda done: self._finish(request, slot, stamp, done.exception()))
 
-    def _finish(self, request: _Request, slot: int | None, error: BaseException | None) -> None:
+    def _finish(
+        self, request: _Request, slot: int | None, stamp: tuple[float, float], error: BaseException | None
+    ) -> None:
         if slot is not None:
             self.node_limits[request.direction].release(slot)
         with self._cond:
             self._in_flight[request.direction] -= 1
-            self.meters[request.direction].finished(0 if error else request.nbytes)
+            self.meters[request.direction].finished(stamp, 0 if error else request.nbytes)
             if error is None:
                 self.telemetry.bytes[request.direction] += request.nbytes
             self._cond.notify_all()
