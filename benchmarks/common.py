@@ -108,9 +108,11 @@ def run_benchmark(
     run: Callable[[argparse.Namespace, Path], dict[str, Any]],
     args: argparse.Namespace,
     prefix: str,
+    *,
+    needs_fio: bool = True,
 ) -> int:
     """Call ``run(args, directory)`` in a data directory, print its JSON and save it to --output."""
-    if shutil.which("fio") is None:
+    if needs_fio and shutil.which("fio") is None:
         raise RuntimeError("fio is not installed (or not on PATH)")
     # SIGTERM -> SystemExit, so the data directory is removed as on Ctrl-C or an error.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -9,7 +9,7 @@ VIRTUAL = """
 [[tiers]]
 name = "virtual"
 paths = [
-  {{ name = "fast", backend = {{ type = "throttle", inner = "dram://", read_bytes_per_s = "400MB", write_bytes_per_s = "400MB" }} }},
+  {{ name = "fast", backend = {{ type = "throttle", inner = "dram://", read_bytes_per_s = "400MB", write_bytes_per_s = "400MB" }} }},  # noqa: E501
   {{ name = "disk", backend = "nvme://{root}" }},
 ]
 """

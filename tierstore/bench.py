@@ -164,6 +164,31 @@ def measure_tier(
     return figures
 
 
+def measure_round_trips(
+    tier: Tier, nbytes: int, count: int, *, between: Callable[[int], None] | None = None
+) -> list[float]:
+    """Seconds per object to write it through the tier and read it back, one object at a time
+    (the access pattern of an offloaded optimizer step). ``between(index)`` runs before each."""
+    source, target = AlignedBuffer(nbytes), AlignedBuffer(nbytes)
+    source.view(nbytes).fill_(0x3C)
+    seconds = []
+    for index in range(count):
+        if between is not None:
+            between(index)
+        tier.reserve(nbytes)
+        started = time.perf_counter()
+        placement, future = tier.write(
+            f"tierstore-trip-{index}", source.memoryview(nbytes), Priority.CRITICAL
+        )
+        try:
+            future.result()
+            tier.read_into(placement, target.memoryview(nbytes), Priority.CRITICAL).result()
+        finally:
+            tier.discard(placement)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 def _figures(moved: int, write_seconds: float, read_seconds: float) -> dict[str, Any]:
     return {
         "bytes": moved,

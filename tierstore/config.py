@@ -102,6 +102,8 @@ class TierConfig(_Strict):
     """Several paths acting as one tier (MLP-Offload's virtual tier)."""
     placement: Literal["stripe", "place"] = "stripe"
     """stripe: split every object across the paths by bandwidth; place: whole objects per path."""
+    stripe_by: Literal["round-trip", "write", "read"] = "round-trip"
+    """Which bandwidth sets the shares: round-trip (objects written then read back), write, read."""
     adapt: bool = True
     """Re-weight the paths from their observed throughput (EWMA)."""
     probe: bool = False

@@ -32,6 +32,7 @@ from .limits import Direction, NodeLimiter, PathScheduler, Priority
 from .placement import Extent
 
 PlacementPolicy = Literal["stripe", "place"]
+StripeBy = Literal["round-trip", "write", "read"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class Tier:
         capacity: int | None = None,
         *,
         placement: PlacementPolicy = "stripe",
+        stripe_by: StripeBy = "round-trip",
     ) -> None:
         if isinstance(paths, Backend):
             paths = [paths]
@@ -143,6 +145,7 @@ class Tier:
             for index, path in enumerate(paths)
         ]
         self.placement = placement
+        self.stripe_by = stripe_by
         self.capacity = capacity
         self.used_bytes = 0
         self.bytes_written = 0
@@ -162,7 +165,9 @@ class Tier:
             for opened in paths:
                 opened.close()
             raise
-        return cls(config.name, paths, config.capacity, placement=config.placement)
+        return cls(
+            config.name, paths, config.capacity, placement=config.placement, stripe_by=config.stripe_by
+        )
 
     @property
     def backend(self) -> Backend:
@@ -185,13 +190,19 @@ class Tier:
             self.used_bytes -= nbytes
 
     def weights(self) -> list[float]:
-        """Each path's share: bandwidth for a write plus a read of the same bytes,
-        ``1 / (1/read + 1/write)``, so a round trip finishes together on all paths. Equal while any
-        path is still unmeasured."""
+        """Each path's share. ``round-trip`` (default, for objects written and read back, as an
+        optimizer's state is): ``1 / (1/read + 1/write)``, so a write plus a read of the same bytes
+        finishes together on all paths; ``write`` or ``read``: that bandwidth alone. Equal while
+        any path is still unmeasured."""
         estimates = [path.bandwidth() for path in self.paths]
         if any(estimate is None for estimate in estimates):
             return [1.0] * len(self.paths)
-        return [1.0 / (1.0 / e.read + 1.0 / e.write) for e in estimates if e is not None]
+        known = [e for e in estimates if e is not None]
+        if self.stripe_by == "write":
+            return [e.write for e in known]
+        if self.stripe_by == "read":
+            return [e.read for e in known]
+        return [1.0 / (1.0 / e.read + 1.0 / e.write) for e in known]
 
     def plan(self, nbytes: int) -> tuple[Extent, ...]:
         weights = self.weights()
@@ -231,6 +242,7 @@ class Tier:
     def stats(self) -> dict[str, Any]:
         return {
             "placement": self.placement,
+            "stripe_by": self.stripe_by,
             "used_bytes": self.used_bytes,
             "bytes_written": self.bytes_written,
             "bytes_read": self.bytes_read,
