@@ -7,14 +7,15 @@ the root of the store, chunked in ``chunk_bytes`` (16 MiB was fastest here), wri
 ``write_empty_chunks=True`` (zarr's default skips all-zero chunks, which costs a comparison per
 chunk and halved write speed here). Any Zarr v3 reader can open it.
 
-**Writes** go through zarr. Offsets must fall on chunk edges (the declared alignment): a write
-that starts inside a chunk is a read-modify-write in zarr, and two writers sharing a chunk lose
-data, so the store never issues one.
-
-**Reads.** On a mounted path, uncompressed chunks are plain files (``<name>/c/<i>``) and are read
-with ``os.preadv`` straight into the caller's buffer by a thread pool (``raw_reads``; about 2.8x
-faster than zarr's read path here). Other stores, or arrays written compressed by someone else,
-read through ``get_basic_selection(out=...)``, which also fills the caller's buffer.
+**Writes and reads.** Offsets must fall on chunk edges (the declared alignment): through zarr, a
+write that starts inside a chunk is a read-modify-write, and two writers sharing a chunk lose data,
+so the store never issues one. On a mounted path (``raw_chunks``), zarr writes the array's
+metadata and the data moves as the plain chunk files ``<name>/c/<i>`` (uncompressed chunks are
+exactly the chunk's bytes), written and read in place with ``os.pwrite``/``os.preadv`` by a thread
+pool, straight from and into the caller's buffer: reads were about 2.8x faster than zarr's own read
+path here, writes about 15% faster with far less CPU (which a FUSE or network file system needs).
+Other stores, or arrays written compressed by someone else, go through zarr
+(``array[a:b] = ...``, ``get_basic_selection(out=...)``).
 
 A path uses zarr's ``LocalStore``; any other URL uses ``FsspecStore`` with ``storage_options``.
 """
@@ -51,8 +52,8 @@ class ZarrOptions(BackendOptions):
     """Chunk size of new arrays; a multiple of 4096."""
     queue_depth: int = Field(8, ge=1, le=256)
     """Worker threads issuing requests."""
-    raw_reads: bool = True
-    """Read uncompressed chunk files of a local store directly (faster than zarr's read path)."""
+    raw_chunks: bool = True
+    """On a mounted path, read and write the uncompressed chunk files directly (see above)."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to fsspec for non-local URLs (credentials, endpoint...)."""
 
@@ -105,10 +106,31 @@ class ZarrBackend(Backend):
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        return self._pool.submit(self._write_now, name, offset, data)
+        array = self._prepare(name, offset + data.nbytes)
+        if self._raw(array):
+            chunk = int(array.chunks[0])
+            chunk_files = self._chunk_files(name)
+            chunk_files.mkdir(parents=True, exist_ok=True)
+            tasks = [
+                self._pool.submit(
+                    _write_chunk_file,
+                    chunk_files / str(position // chunk),
+                    position % chunk,
+                    data[start:stop],
+                    chunk,
+                )
+                for start, stop, position in _pieces(offset, data.nbytes, chunk)
+            ]
+            return when_all(tasks, lambda: None)
+        return self._pool.submit(self._write_through_zarr, array, offset, data)
 
-    def _write_now(self, name: str, offset: int, data: memoryview) -> None:
-        end = offset + data.nbytes
+    @staticmethod
+    def _write_through_zarr(array: zarr.Array[Any], offset: int, data: memoryview) -> None:
+        if data.nbytes:
+            array[offset : offset + data.nbytes] = np.frombuffer(data, np.uint8)
+
+    def _prepare(self, name: str, end: int) -> zarr.Array[Any]:
+        """The object's array, created or grown to ``end`` bytes (metadata only)."""
         with self._lock:
             array = self._arrays.get(name) or self._open(name, missing_ok=True)
             if array is None:
@@ -126,14 +148,13 @@ class ZarrBackend(Backend):
                 self._arrays[name] = array
             elif array.shape[0] < end:
                 array.resize((end,))
-        if data.nbytes:
-            array[offset:end] = np.frombuffer(data, np.uint8)
+        return array
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
         array = self._array(name)
-        if self.local_root is not None and self.options.raw_reads and _plain_chunks(array):
+        if self._raw(array):
             chunk = int(array.chunks[0])
-            chunk_files = self.local_root / name / "c"
+            chunk_files = self._chunk_files(name)
             tasks = [
                 self._pool.submit(
                     _read_chunk_file, chunk_files / str(position // chunk), position % chunk, out[start:stop]
@@ -142,6 +163,13 @@ class ZarrBackend(Backend):
             ]
             return when_all(tasks, lambda: None)
         return self._pool.submit(self._read_through_zarr, array, offset, out)
+
+    def _raw(self, array: zarr.Array[Any]) -> bool:
+        return self.local_root is not None and self.options.raw_chunks and _plain_chunks(array)
+
+    def _chunk_files(self, name: str) -> Path:
+        assert self.local_root is not None
+        return self.local_root / name / "c"
 
     @staticmethod
     def _read_through_zarr(array: zarr.Array[Any], offset: int, out: memoryview) -> None:
@@ -214,6 +242,25 @@ def _read_chunk_file(path: Path, at: int, out: memoryview) -> None:
             if got <= 0:
                 raise BackendIOError(5, f"zarr: chunk file {path} is shorter than its chunk")
             done += got
+    finally:
+        os.close(fd)
+
+
+def _write_chunk_file(path: Path, at: int, data: memoryview, chunk: int) -> None:
+    """Write ``data`` at byte ``at`` of one uncompressed chunk file, in place.
+
+    Zarr expects every chunk file, the last included, to hold a whole chunk: a short file is
+    extended with ``ftruncate`` (zeros, the fill value, without writing them)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        done = 0
+        while done < data.nbytes:
+            written = os.pwrite(fd, data[done:], at + done)
+            if written <= 0:
+                raise BackendIOError(5, f"zarr: could not write chunk file {path}")
+            done += written
+        if os.fstat(fd).st_size < chunk:
+            os.ftruncate(fd, chunk)
     finally:
         os.close(fd)
 

@@ -33,9 +33,11 @@ class TestZarrLocalBackend(BackendTests):
         _raw_set(LocalStore(backend.local_root), name, data)  # zarr's default: compressed
 
 
-class TestZarrLocalThroughZarrReads(TestZarrLocalBackend):
+class TestZarrLocalThroughZarr(TestZarrLocalBackend):
+    """raw_chunks off: every byte goes through zarr's own read and write paths."""
+
     def open(self, root: Path) -> Backend:
-        return open_backend(f"zarr+file://{root}?{SMALL_CHUNKS}&raw_reads=false")
+        return open_backend(f"zarr+file://{root}?{SMALL_CHUNKS}&raw_chunks=false")
 
 
 class TestZarrMemoryBackend(BackendTests):

@@ -8,10 +8,14 @@ from tierstore.cli import main
 VIRTUAL = """
 [[tiers]]
 name = "virtual"
-paths = [
-  {{ name = "fast", backend = {{ type = "throttle", inner = "dram://", read_bytes_per_s = "400MB", write_bytes_per_s = "400MB" }} }},  # noqa: E501
-  {{ name = "disk", backend = "nvme://{root}" }},
-]
+
+[[tiers.paths]]
+name = "fast"
+backend = {{ type = "throttle", inner = "dram://", read_bytes_per_s = "400MB", write_bytes_per_s = "400MB" }}
+
+[[tiers.paths]]
+name = "disk"
+backend = "nvme://{root}"
 """
 
 

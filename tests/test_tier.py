@@ -168,3 +168,22 @@ def test_open_backend_errors_close_earlier_paths(tmp_path: Path) -> None:
     with pytest.raises(UnwritablePathError):
         TierStore.from_config(config)
     assert open_backend(f"nvme://{tmp_path / 'ok'}").list() == []
+
+
+def test_telemetry_as_dict_and_log(caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    import logging
+
+    paths = [dram_path("a", 1e9, 1e9), dram_path("b", 1e9, 1e9)]
+    with TierStore([Tier("v", paths)], cache_budget=1 << 20) as store:
+        store["x"] = torch.zeros(1 << 18)
+        store.flush()
+        store["x"]
+        with caplog.at_level(logging.INFO, logger="tierstore"):
+            stats = store.log_stats()
+    assert stats["hits"] == 1 and stats["writebacks"] == 1
+    path = stats["tiers"]["v"]["paths"]["a"]
+    assert path["write"]["bytes"] == 512 << 10 and path["write"]["seconds"] > 0
+    assert path["requests"] == 1 and path["queue_wait_seconds"] >= 0
+    logged = caplog.records[-1].getMessage()
+    assert logged.startswith("tierstore stats ") and json.loads(logged.split(" ", 2)[2]) == stats

@@ -20,6 +20,8 @@ it wrote to its tiers.
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import secrets
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -48,6 +50,7 @@ from .limits import Priority
 from .tier import Placement, Tier
 
 MAX_KEY_LENGTH = 1024
+_log = logging.getLogger("tierstore")
 Policy = Literal["write-back", "write-through"]
 
 
@@ -238,6 +241,12 @@ class TierStore:
                 "peak_cache_bytes": self._peak_cache_bytes,
                 "tiers": {tier.name: tier.stats() for tier in self.tiers},
             }
+
+    def log_stats(self, level: int = logging.INFO) -> dict[str, Any]:
+        """Send :meth:`stats` to the ``tierstore`` logger (one JSON line) and return it."""
+        stats = self.stats()
+        _log.log(level, "tierstore stats %s", json.dumps(stats, default=str))
+        return stats
 
     def close(self) -> None:
         """Finish issued operations, delete this store's tier objects, release all memory."""
