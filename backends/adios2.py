@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 import numpy as np
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field
 
-from ..buffers import ALIGNMENT
-from ..errors import BackendIOError, KeyNotFoundError, UnwritablePathError
-from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities
+from ..errors import BackendIOError, KeyNotFoundError
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
 
 SLOTS = 2
 SlotCallback = Callable[[np.ndarray, int, int], None]
@@ -55,15 +54,8 @@ class Adios2Options(BackendOptions):
         default_factory=lambda: {"StatsLevel": "0", "BufferChunkSize": str(128 << 20)}
     )
     """ADIOS2 engine parameters."""
-    transfer_bytes: ByteSize = Field(ByteSize(64 << 20))
+    transfer_bytes: PageMultiple = Field(ByteSize(64 << 20))
     """Size of each shared-memory slot (one put/get); a multiple of 4096."""
-
-    @field_validator("transfer_bytes")
-    @classmethod
-    def _aligned(cls, value: ByteSize) -> ByteSize:
-        if value < ALIGNMENT or value % ALIGNMENT:
-            raise ValueError(f"must be a positive multiple of {ALIGNMENT}")
-        return value
 
 
 class Adios2Backend(Backend):
@@ -76,16 +68,7 @@ class Adios2Backend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
         assert isinstance(options, Adios2Options)
-        self.root = options.path.expanduser().absolute()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            probe = self.root / f".tierstore-probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as error:
-            raise UnwritablePathError(
-                error.errno, f"adios2: cannot write to {self.root}: {error.strerror}"
-            ) from error
+        self.root = prepare_root(options.path, self.scheme)
         self._worker: _Worker | None = None
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()

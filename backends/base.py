@@ -25,22 +25,26 @@ ones, which costs a copy, so give it aligned buffers).
 from __future__ import annotations
 
 import builtins
+import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, ValidationError
 
+from ..buffers import ALIGNMENT
 from ..errors import (
     AlignmentError,
     BufferMismatchError,
     InvalidKeyError,
     OutOfRangeError,
     StoreClosedError,
+    UnwritablePathError,
     config_error_from_validation,
 )
 
@@ -62,6 +66,33 @@ class Capabilities:
     """Objects survive the process (False for memory backends)."""
     direct_io: bool = False
     """Transfers bypass the operating system's page cache."""
+
+
+def _page_multiple(value: ByteSize) -> ByteSize:
+    if value < ALIGNMENT or value % ALIGNMENT:
+        raise ValueError(f"must be a positive multiple of {ALIGNMENT}")
+    return value
+
+
+PageMultiple = Annotated[ByteSize, AfterValidator(_page_multiple)]
+"""A byte size (``"4MiB"``) that is a positive multiple of the page size: chunk and slot sizes."""
+
+
+def prepare_root(root: Path, scheme: str) -> Path:
+    """Create a backend's root directory (owner-only) and prove it is writable.
+
+    Raises :class:`~tierstore.errors.UnwritablePathError` naming the path otherwise."""
+    root = root.expanduser().absolute()
+    probe = root / f".tierstore-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UnwritablePathError(
+            error.errno, f"{scheme}: cannot write to {root}: {error.strerror}"
+        ) from error
+    return root
 
 
 class BackendOptions(BaseModel):

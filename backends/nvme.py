@@ -30,12 +30,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field
 
 from .._futures import when_all
 from ..buffers import ALIGNMENT, AlignedBuffer, buffer_address, round_up
 from ..errors import BackendIOError, ConfigError, KeyNotFoundError, UnwritablePathError
-from .base import Backend, BackendOptions, Capabilities
+from .base import Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -46,19 +46,12 @@ class NvmeOptions(BackendOptions):
     queue_depth: int = Field(16, ge=1, le=256)
     """Requests in flight at once (worker threads). O_DIRECT needs 4 or more; 16 matched fio's
     best iodepth on this machine's disk."""
-    chunk_bytes: ByteSize = Field(ByteSize(4 << 20))
+    chunk_bytes: PageMultiple = Field(ByteSize(4 << 20))
     """Size of one request; a multiple of 4096."""
     direct: bool | None = None
     """O_DIRECT: None = where the file system accepts it, True = required, False = never."""
     sync: bool = False
     """fdatasync each object write before its future resolves (durable, slower)."""
-
-    @field_validator("chunk_bytes")
-    @classmethod
-    def _aligned_chunks(cls, value: ByteSize) -> ByteSize:
-        if value < ALIGNMENT or value % ALIGNMENT:
-            raise ValueError(f"must be a positive multiple of {ALIGNMENT}")
-        return value
 
 
 class NvmeBackend(Backend):
@@ -71,10 +64,9 @@ class NvmeBackend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
         assert isinstance(options, NvmeOptions)
-        self.root = options.path.expanduser().absolute()
+        self.root = prepare_root(options.path, self.scheme)
         self._chunk = int(options.chunk_bytes)
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.direct = self._probe_direct(options.direct)
         except OSError as error:
             raise UnwritablePathError(
@@ -98,8 +90,7 @@ class NvmeBackend(Backend):
     def _probe_direct(self, wanted: bool | None) -> bool:
         """Open, write and read back one block with O_DIRECT; decide whether to use it."""
         probe = self.root / f".tierstore-probe-{os.getpid()}-{threading.get_ident()}"
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # proves writability
-        os.close(fd)
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
         try:
             if wanted is False:
                 return False

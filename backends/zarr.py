@@ -32,15 +32,14 @@ from typing import Any
 import numpy as np
 import zarr
 from fsspec.core import split_protocol
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
 from .._futures import when_all
-from ..buffers import ALIGNMENT
-from ..errors import BackendIOError, KeyNotFoundError, UnwritablePathError
-from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities
+from ..errors import BackendIOError, KeyNotFoundError
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
 
 LOCAL_PROTOCOLS = (None, "file", "local")
 
@@ -48,7 +47,7 @@ LOCAL_PROTOCOLS = (None, "file", "local")
 class ZarrOptions(BackendOptions):
     url: str
     """A local path or ``file://`` URL (LocalStore), or any other fsspec URL (FsspecStore)."""
-    chunk_bytes: ByteSize = Field(ByteSize(16 << 20))
+    chunk_bytes: PageMultiple = Field(ByteSize(16 << 20))
     """Chunk size of new arrays; a multiple of 4096."""
     queue_depth: int = Field(8, ge=1, le=256)
     """Worker threads issuing requests."""
@@ -56,13 +55,6 @@ class ZarrOptions(BackendOptions):
     """On a mounted path, read and write the uncompressed chunk files directly (see above)."""
     storage_options: dict[str, Any] = Field(default_factory=dict)
     """Passed to fsspec for non-local URLs (credentials, endpoint...)."""
-
-    @field_validator("chunk_bytes")
-    @classmethod
-    def _aligned_chunks(cls, value: ByteSize) -> ByteSize:
-        if value < ALIGNMENT or value % ALIGNMENT:
-            raise ValueError(f"must be a positive multiple of {ALIGNMENT}")
-        return value
 
 
 class ZarrBackend(Backend):
@@ -78,8 +70,7 @@ class ZarrBackend(Backend):
         protocol, path = split_protocol(options.url)
         self.local_root: Path | None = None
         if protocol in LOCAL_PROTOCOLS:
-            self.local_root = Path(path).expanduser().absolute()
-            _check_writable(self.local_root)
+            self.local_root = prepare_root(Path(path), "zarr")
             self.store: LocalStore | FsspecStore = LocalStore(self.local_root)
         else:
             self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
@@ -216,16 +207,6 @@ class ZarrBackend(Backend):
         self._pool.shutdown(wait=True)
         self._arrays.clear()
         self.store.close()
-
-
-def _check_writable(root: Path) -> None:
-    probe = root / f".tierstore-probe-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise UnwritablePathError(error.errno, f"zarr: cannot write to {root}: {error.strerror}") from error
 
 
 def _read_chunk_file(path: Path, at: int, out: memoryview) -> None:

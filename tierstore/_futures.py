@@ -17,13 +17,6 @@ def completed(value: T) -> Future[T]:
     return future
 
 
-def failed(error: BaseException) -> Future[Any]:
-    """A future that already holds ``error``."""
-    future: Future[Any] = Future()
-    future.set_exception(error)
-    return future
-
-
 def when_all(futures: Sequence[Future[Any]], on_done: Callable[[], T]) -> Future[T]:
     """A future that completes once every one of ``futures`` has.
 

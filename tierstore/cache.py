@@ -72,7 +72,3 @@ class LruIndex:
             if not entry.pins and not entry.writing and entry.writeback_error is None:
                 return entry
         return None
-
-    def busy(self) -> bool:
-        """Whether some entry is pinned or being written back (so waiting can free space)."""
-        return any(entry.pins or entry.writing for entry in self._entries.values())
