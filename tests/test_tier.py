@@ -187,3 +187,15 @@ def test_telemetry_as_dict_and_log(caplog: pytest.LogCaptureFixture) -> None:
     assert path["requests"] == 1 and path["queue_wait_seconds"] >= 0
     logged = caplog.records[-1].getMessage()
     assert logged.startswith("tierstore stats ") and json.loads(logged.split(" ", 2)[2]) == stats
+
+
+def test_timeline_accounts_for_every_byte() -> None:
+    from tierstore.bench import Timeline, measure_path
+
+    path = TierPath("p", open_backend({"type": "throttle", "inner": "dram://", "write_bytes_per_s": "200MB"}))
+    with Timeline([path], interval=0.01) as timeline:
+        measure_path(path, 2 << 20, 3)
+    points = timeline.rates()["p"]
+    moved = sum(gbps * 1e9 * 0.01 for _, gbps in points)
+    assert moved == pytest.approx(2 * 3 * (2 << 20), rel=0.01)  # written and read back
+    path.close()

@@ -7,7 +7,7 @@ counters meanwhile, giving GB/s per path over time.
 
 from __future__ import annotations
 
-import threading
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -23,45 +23,45 @@ Progress = Callable[[int], None]
 
 
 class Timeline:
-    """Samples cumulative bytes moved by each path every ``interval`` seconds."""
+    """GB/s per path over time, from the requests each path completed while the timeline ran.
 
-    def __init__(self, paths: Sequence[TierPath], interval: float = 0.05) -> None:
+    Each request's bytes are spread evenly over its duration, so a curve is smooth and correct
+    even when one request spans many bins."""
+
+    def __init__(self, paths: Sequence[TierPath], interval: float = 0.1) -> None:
         self.paths = list(paths)
         self.interval = interval
-        self.samples: list[tuple[float, dict[str, int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tierstore-timeline", daemon=True)
-        self._origin = time.monotonic()
+        self._start = self._stop = 0.0
 
     def __enter__(self) -> Self:
-        self._origin = time.monotonic()
-        self._sample()
-        self._thread.start()
+        self._start = time.monotonic()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        self._stop = time.monotonic()
 
     def rates(self) -> dict[str, list[tuple[float, float]]]:
-        """Per path: (seconds since start, GB/s over the preceding interval)."""
-        series: dict[str, list[tuple[float, float]]] = {path.name: [] for path in self.paths}
-        for (t0, before), (t1, after) in zip(self.samples, self.samples[1:], strict=False):
-            if t1 > t0:
-                for name in series:
-                    series[name].append(
-                        (round(t1, 4), round((after[name] - before[name]) / (t1 - t0) / 1e9, 4))
-                    )
+        """Per path: (seconds since start at the end of each bin, GB/s in that bin)."""
+        bins = max(1, math.ceil((self._stop - self._start) / self.interval))
+        series: dict[str, list[tuple[float, float]]] = {}
+        for path in self.paths:
+            moved = [0.0] * bins
+            for started, finished, nbytes in list(path.scheduler.telemetry.history):
+                began, ended = max(started, self._start), min(finished, self._stop)
+                if ended <= began:
+                    continue
+                density = nbytes / (finished - started)
+                first = int((began - self._start) / self.interval)
+                last = min(bins - 1, int((ended - self._start) / self.interval))
+                for index in range(first, last + 1):
+                    low = max(began, self._start + index * self.interval)
+                    high = min(ended, self._start + (index + 1) * self.interval)
+                    moved[index] += density * max(0.0, high - low)
+            series[path.name] = [
+                (round((index + 1) * self.interval, 4), round(value / self.interval / 1e9, 4))
+                for index, value in enumerate(moved)
+            ]
         return series
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def _sample(self) -> None:
-        moved = {path.name: sum(path.scheduler.telemetry.bytes.values()) for path in self.paths}
-        self.samples.append((time.monotonic() - self._origin, moved))
 
 
 def _pipeline(starts: Iterable[Callable[[], Future[None]]], depth: int, progress: Progress | None) -> None:

@@ -14,6 +14,7 @@ import heapq
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class _Request:
 class PathTelemetry:
     """Counted where the bytes move; aggregated upwards, never recomputed."""
 
+    history: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=100_000))
+    """(start, end, bytes) of recent completed requests, monotonic clock (for timelines)."""
     requests: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: {"read": 0, "write": 0})
     queue_wait_seconds: float = 0.0
@@ -227,6 +230,7 @@ class PathScheduler:
             self.meters[request.direction].finished(stamp, 0 if error else request.nbytes)
             if error is None:
                 self.telemetry.bytes[request.direction] += request.nbytes
+                self.telemetry.history.append((stamp[0], time.monotonic(), request.nbytes))
             self._cond.notify_all()
         if error is None:
             request.done.set_result(None)
