@@ -19,8 +19,18 @@ backend = "nvme://{root}"
 """
 
 
-def test_demo_spills_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--dir", str(tmp_path / "data"), "--total", "8MiB", "--object", "1MiB"]) == 0
+def test_train_runs_the_offloaded_optimizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    arguments = ["train", "--dir", str(tmp_path / "data"), "--layers", "2", "--width", "256", "--steps", "3"]
+    assert main([*arguments, "--sub-group-size", "20000", "--dram-budget", "1MiB"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["state_over_budget"] > 1.5 and report["subgroups"] == 7
+    assert report["loss_decreased"] and len(report["steps"]) == 3
+    assert all(step["gb_per_s"]["nvme"] > 0 for step in report["steps"])
+    assert list((tmp_path / "data").iterdir()) == []
+
+
+def test_spill_round_trips_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["spill", "--dir", str(tmp_path / "data"), "--total", "8MiB", "--object", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "verified=True" in out
     assert list((tmp_path / "data").iterdir()) == []  # the store removed its objects

@@ -339,3 +339,17 @@ def test_failed_write_backs_blocking_the_cache_raise_instead_of_hanging() -> Non
         store.flush()  # retries the failed write-backs, which frees their room
         store["c"] = torch.ones(1024)
         assert all(torch.equal(store[k], torch.ones(1024)) for k in "abc")
+
+
+def test_cache_hint_bypasses_the_cache(make_store: StoreFactory) -> None:
+    store = make_store(cache_budget=1 << 20)
+    value = torch.arange(1000.0)
+    store.put("x", value, cache=False).result()
+    info = store.info("x")
+    assert not info.cached and info.tier is not None and store.stats()["cache_bytes"] == 0
+    out = torch.empty_like(value)
+    store.get("x", out=out, cache=False).result()
+    assert torch.equal(out, value) and not store.info("x").cached
+    store["x"] = value  # cached now
+    store.put("x", value + 1, cache=False).result()  # replaces the cached copy
+    assert not store.info("x").cached and torch.equal(store["x"], value + 1)

@@ -1,8 +1,10 @@
 """The ``tierstore`` command line.
 
-* ``tierstore demo``: spill tensors several times larger than the DRAM budget through the store
-  (embedded default config: DRAM cache over an NVMe tier in ./tierstore-data), read every one back,
-  verify it bit for bit, print the throughput of each phase.
+* ``tierstore train``: the main job. Train a small bf16 MLP whose fp32 optimizer state is several
+  times the DRAM budget with the offloaded AdamW, over the embedded default config (DRAM budget
+  over an NVMe tier in ./tierstore-data); print loss, step time and GB/s per tier.
+* ``tierstore spill``: spill tensors several times larger than the DRAM budget through the store,
+  read every one back, verify it bit for bit, print the throughput of each phase.
 * ``tierstore probe CONFIG``: measure (or show the cached) read and write bandwidth of every path.
 * ``tierstore bench CONFIG``: throughput of each path alone and of each tier with all its paths,
   with a progress bar, JSON output and a PNG of GB/s per path over time.
@@ -93,6 +95,79 @@ def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str,
     return report
 
 
+def run_training(
+    config: dict[str, Any], layers: int, width: int, steps: int, sub_group_size: int, budget: int
+) -> dict[str, Any]:
+    """Fit a bf16 MLP to a fixed synthetic batch with :class:`OffloadedAdamW`, whose DRAM is
+    ``budget`` bytes and whose fp32 state goes to the config's tiers (the store caches nothing)."""
+    from .optimizer import OffloadedAdamW  # the optimizer sits above the store
+
+    settings = load_config(config)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(layers)]
+    ).to(torch.bfloat16)
+    target = torch.nn.Linear(width, width).to(torch.bfloat16).requires_grad_(False)
+    parameters = sum(p.numel() for p in model.parameters())
+    state_bytes = 12 * parameters  # fp32 master weights + two moments
+    store_settings = settings.model_copy(update={"cache": settings.cache.model_copy(update={"budget": 0})})
+    report: dict[str, Any] = {
+        "parameters": parameters,
+        "fp32_state_bytes": state_bytes,
+        "dram_budget_bytes": budget,
+        "state_over_budget": round(state_bytes / budget, 2),
+        "steps": [],
+    }
+    with TierStore.from_config(store_settings) as store:
+        optimizer = OffloadedAdamW(
+            model.parameters(),
+            store,
+            lr=1e-4,
+            sub_group_size=sub_group_size,
+            dram_budget=budget,
+            max_grad_norm=1.0,
+        )
+        report["subgroups"] = len(optimizer.subgroups)
+        inputs = torch.randn(64, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        for step in range(steps):
+            started = time.perf_counter()
+            loss = torch.nn.functional.mse_loss(model(inputs).float(), target(inputs).float())
+            model.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            backward_done = time.perf_counter()
+            before = {t.name: (t.bytes_read, t.bytes_written) for t in store.tiers}
+            optimizer.step()
+            finished = time.perf_counter()
+            step_seconds = finished - backward_done
+            tiers = {
+                t.name: round(
+                    (t.bytes_read - before[t.name][0] + t.bytes_written - before[t.name][1])
+                    / step_seconds
+                    / 1e9,
+                    3,
+                )
+                for t in store.tiers
+            }
+            entry = {
+                "step": step + 1,
+                "loss": round(float(loss.detach()), 5),
+                "forward_backward_s": round(backward_done - started, 3),
+                "optimizer_step_s": round(step_seconds, 3),
+                "gb_per_s": tiers,
+            }
+            report["steps"].append(entry)
+            print(
+                f"step {entry['step']}: loss {entry['loss']:.5f}  "
+                f"fwd+bwd {entry['forward_backward_s']:.3f} s  "
+                f"optimizer step {entry['optimizer_step_s']:.3f} s  "
+                + "  ".join(f"{name} {gbps} GB/s" for name, gbps in tiers.items()),
+                file=sys.stderr,
+            )
+    losses = [entry["loss"] for entry in report["steps"]]
+    report["loss_decreased"] = losses[-1] < losses[0]
+    return report
+
+
 def run_probe(config: StoreConfig, size: int, refresh: bool) -> dict[str, Any]:
     """Bandwidth of every path of every tier (cached unless ``refresh``)."""
     cache = ProbeCache()
@@ -151,7 +226,14 @@ def run_bench(config: StoreConfig, size: int, count: int, plot: Path | None) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierstore", description=(__doc__ or "").split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="spill tensors larger than the DRAM budget and read them back")
+    train = commands.add_parser("train", help="main job: train an MLP with its optimizer state offloaded")
+    train.add_argument("--dir", type=Path, help="directory of the default config's NVMe tier")
+    train.add_argument("--layers", type=int, default=8)
+    train.add_argument("--width", type=int, default=2048)
+    train.add_argument("--steps", type=int, default=5)
+    train.add_argument("--sub-group-size", type=int, default=2_000_000, help="elements per sub-group")
+    train.add_argument("--dram-budget", type=_byte_size, default=_byte_size("128MiB"), help="optimizer DRAM")
+    demo = commands.add_parser("spill", help="spill tensors larger than the DRAM budget and read them back")
     where = demo.add_mutually_exclusive_group()
     where.add_argument("--config", type=Path, help="store config (.toml/.json); default: the embedded one")
     where.add_argument("--dir", type=Path, help="directory of the default config's NVMe tier")
@@ -170,15 +252,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        if args.command == "demo":
-            return _demo(args)
-        config = load_config(args.config)
+        if args.command == "spill":
+            return _spill(args)
+        if args.command == "train":
+            defaults = default_config()
+            if args.dir is not None:
+                defaults["tiers"][0]["backend"]["path"] = str(args.dir)
+            report = run_training(
+                defaults, args.layers, args.width, args.steps, args.sub_group_size, args.dram_budget
+            )
+            print(json.dumps(report, indent=2))
+            return 0 if report["loss_decreased"] else 1
+        settings = load_config(args.config)
         if args.command == "probe":
-            report = run_probe(config, args.size, args.refresh)
+            report = run_probe(settings, args.size, args.refresh)
         else:
             if args.objects < 1:
                 parser.error("--objects must be >= 1")
-            report = run_bench(config, args.size, args.objects, args.plot)
+            report = run_bench(settings, args.size, args.objects, args.plot)
     except TierStoreError as error:
         print(f"tierstore {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
@@ -194,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _spill(args: argparse.Namespace) -> int:
     config = default_config() if args.config is None else load_config(args.config).model_dump()
     if args.dir is not None:
         config["tiers"][0]["backend"]["path"] = str(args.dir)

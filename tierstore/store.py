@@ -138,10 +138,13 @@ class TierStore:
         )
 
     # -- public API: asynchronous ----------------------------------------------------------------
-    def put(self, key: str, tensor: torch.Tensor) -> Future[None]:
+    def put(self, key: str, tensor: torch.Tensor, *, cache: bool = True) -> Future[None]:
         """Store ``tensor`` (any dtype, shape, layout or device) under ``key``.
 
         The tensor is borrowed until the future resolves; do not modify it before then.
+        ``cache=False`` is a hint from a caller that manages its own DRAM (the offloaded
+        optimizer): the object goes straight to a tier from the tensor's memory, and any cached
+        copy of the previous version is dropped.
         """
         self._check_open()
         _check_key(key)
@@ -149,12 +152,13 @@ class TierStore:
             raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
         if tensor.is_sparse or tensor.layout != torch.strided:
             raise BufferMismatchError(f"put({key!r}): only dense (strided) tensors are supported")
-        return self._serial.submit(key, self._put, key, tensor.detach())
+        return self._serial.submit(key, self._put, key, tensor.detach(), cache)
 
-    def get(self, key: str, out: torch.Tensor | None = None) -> Future[torch.Tensor]:
+    def get(self, key: str, out: torch.Tensor | None = None, *, cache: bool = True) -> Future[torch.Tensor]:
         """Read ``key``; into ``out`` (same shape and dtype, any device/strides) if given.
 
-        The future's result is ``out``, or a new CPU tensor.
+        The future's result is ``out``, or a new CPU tensor. ``cache=False``: a copy already in
+        the cache is still used, but a miss reads straight into the destination without caching.
         """
         self._check_open()
         self._check_known(key)
@@ -164,7 +168,7 @@ class TierStore:
             record = self._records.get(key)
             if record is not None and not self._serial.pending(key):  # else a queued put decides
                 _check_out(key, record, out)
-        return self._serial.submit(key, self._get, key, out)
+        return self._serial.submit(key, self._get, key, out, cache)
 
     def prefetch(self, keys: Iterable[str]) -> Future[None]:
         """Load ``keys`` into the DRAM cache in the background; resolves when all are cached.
@@ -294,9 +298,9 @@ class TierStore:
         return len(self._records)
 
     # -- operations (run on the serializer, one key at a time) -----------------------------------
-    def _put(self, key: str, tensor: torch.Tensor) -> None:
+    def _put(self, key: str, tensor: torch.Tensor, cache: bool) -> None:
         record = _Record(tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
-        if not self._pool.fits(record.nbytes):  # larger than the whole cache: straight to a tier
+        if not cache or not self._pool.fits(record.nbytes):  # straight to a tier
             source = tensor.cpu().contiguous()
             record.persisted = self._write_to_tier(_bytes_of(source), Priority.CRITICAL)
             self._commit(key, record)
@@ -314,7 +318,7 @@ class TierStore:
         record.entry = entry
         self._commit(key, record)
 
-    def _get(self, key: str, out: torch.Tensor | None) -> torch.Tensor:
+    def _get(self, key: str, out: torch.Tensor | None, cache: bool) -> torch.Tensor:
         with self._cond:
             record = self._record(key)
             if out is not None:
@@ -326,7 +330,7 @@ class TierStore:
                 self._stats["hits"] += 1
             else:
                 self._stats["misses"] += 1
-        if entry is None and self.cache_reads and self._pool.fits(record.nbytes):
+        if entry is None and cache and self.cache_reads and self._pool.fits(record.nbytes):
             entry = self._load(key, record, Priority.CRITICAL, pinned=True)
         if entry is None:  # not cached and not to be cached: read straight into the destination
             return self._read_direct(record, out)

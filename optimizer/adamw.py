@@ -1,0 +1,370 @@
+"""AdamW with its fp32 state offloaded to a TierStore, staged sub-group by sub-group.
+
+The model keeps its low-precision (bf16/fp16) parameters and gradients in memory. Each sub-group's
+fp32 master weights and both Adam moments live in the store as one object (``3 x numel`` fp32:
+master | exp_avg | exp_avg_sq). A step:
+
+1. measures the global gradient norm from the low-precision gradients (fp32 accumulation, no fp32
+   copy), detects overflow (a non-finite norm skips the step, leaving all state untouched, as
+   loss scaling expects) and derives one coefficient for unscaling and clipping;
+2. visits the sub-groups forward on odd steps and in reverse on even ones (MLP-Offload's
+   cache-friendly order), reading ahead into a ring of page-aligned buffers while the current
+   sub-group is updated, and writing finished ones back in the background;
+3. per sub-group, converts its gradients into one reused fp32 buffer (delayed, in place),
+   multiplies in the coefficient, runs a fused AdamW kernel on the views, and copies the new
+   master weights into the model's parameters. No fp32 gradient is ever written to storage;
+4. keeps the sub-groups at the end of the pass in DRAM (the I/O performance model chooses which;
+   the next, reversed pass starts with them), so they skip both their write now and their read
+   next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any, Literal
+
+import torch
+
+from ..buffers import AlignedBuffer
+from ..errors import BufferMismatchError, CapacityError, ConfigError
+from ..model import PathSpeed, plan_pass
+from ..store import TierStore
+from .partition import SubGroup, partition
+
+CachePolicy = Literal["model", "static", "none"]
+STATE_PARTS = 3  # master weights, exp_avg, exp_avg_sq
+FP32 = 4
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) over a :class:`TierStore`.
+
+    ``dram_budget`` bounds the fp32 state this optimizer holds in DRAM: the ring of
+    ``prefetch_depth`` read-ahead buffers, the fp32 gradient buffer, and the sub-groups kept
+    cached between steps (``cache_policy``: ``"model"`` asks :func:`tierstore.model.plan_pass`,
+    ``"static"`` keeps the last K that fit as MLP-Offload does, ``"none"`` keeps nothing).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        store: TierStore,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        sub_group_size: int = 100_000_000,
+        max_grad_norm: float | None = None,
+        dram_budget: int | None = None,
+        prefetch_depth: int = 2,
+        cache_policy: CachePolicy = "model",
+        namespace: str = "adamw",
+    ) -> None:
+        if not lr >= 0.0 or not eps >= 0.0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"invalid lr {lr}, eps {eps} or betas {betas}")
+        if prefetch_depth < 1:
+            raise ConfigError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        if cache_policy not in ("model", "static", "none"):
+            raise ConfigError(f"cache_policy must be 'model', 'static' or 'none', not {cache_policy!r}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.store = store
+        self.namespace = namespace
+        self.max_grad_norm = max_grad_norm
+        self.cache_policy = cache_policy
+        self.params = [p for group in self.param_groups for p in group["params"]]
+        for param in self.params:
+            if not param.is_contiguous() or param.device.type != "cpu":
+                raise BufferMismatchError("OffloadedAdamW needs contiguous CPU parameters")
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.subgroups = partition(
+            [[(index[id(p)], p.numel()) for p in group["params"]] for group in self.param_groups],
+            sub_group_size,
+        )
+        largest = max((sg.numel for sg in self.subgroups), default=1)
+        self._state_bytes = STATE_PARTS * FP32 * largest
+        working = prefetch_depth * self._state_bytes + FP32 * largest
+        self.dram_budget = working if dram_budget is None else dram_budget
+        if self.dram_budget < working:
+            raise CapacityError(
+                f"dram_budget of {self.dram_budget} bytes is below the working set of {working} bytes "
+                f"({prefetch_depth} sub-group buffers of {self._state_bytes} + one fp32 gradient buffer)"
+            )
+        self.prefetch_depth = prefetch_depth
+        self.step_count = 0
+        self.skipped_steps = 0
+        self._grad = AlignedBuffer(FP32 * largest).view(FP32 * largest).view(torch.float32)
+        spare = (self.dram_budget - working) // self._state_bytes
+        self._buffers = [self._new_buffer() for _ in range(prefetch_depth + spare)]
+        self._free: list[torch.Tensor] = list(self._buffers)
+        self._resident: dict[int, torch.Tensor] = {}
+        self._write_all(None)
+
+    # -- public -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
+        """One AdamW step; gradients are divided by ``grad_scale`` (loss scaling). A step whose
+        gradients overflow is skipped (``skipped_steps`` counts them) and changes nothing."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        coefficient = self._gradient_coefficient(grad_scale)
+        if coefficient is None:
+            self.skipped_steps += 1
+            return loss
+        self.step_count += 1
+        order = [sg.index for sg in self.subgroups]
+        if self.step_count % 2 == 0:
+            order.reverse()
+        self._pass(order, self._keep(order), coefficient)
+        return loss
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master weights, one tensor per parameter (read from DRAM or the store)."""
+        return self._gather()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim`` format, plus each parameter's fp32 ``master_param``. Sub-groups cached in
+        DRAM are written to the store first, so the store holds the same state as the dict."""
+        self._flush_resident()
+        masters, exp_avgs, exp_avg_sqs = self._gather()
+        step = torch.tensor(float(self.step_count))
+        state = {
+            i: {"step": step.clone(), "exp_avg": m, "exp_avg_sq": v, "master_param": w}
+            for i, (w, m, v) in enumerate(zip(masters, exp_avgs, exp_avg_sqs, strict=True))
+        }
+        groups, start = [], 0
+        for group in self.param_groups:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+            groups[-1]["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+        return {"state": state, "param_groups": groups, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (same parameter shapes); the store is rewritten."""
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if len(groups) != len(self.param_groups) or any(
+            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups, strict=True)
+        ):
+            raise BufferMismatchError("the state dict's parameter groups do not match this optimizer's")
+        for group, saved in zip(self.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        steps = {float(entry["step"]) for entry in state.values()} or {0.0}
+        self.step_count = int(max(steps))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        for i, param in enumerate(self.params):
+            entry = state.get(i, state.get(str(i)))
+            for name in ("exp_avg", "exp_avg_sq", "master_param"):
+                if entry is not None and name in entry and entry[name].shape != param.shape:
+                    raise BufferMismatchError(
+                        f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "
+                        f"the parameter {tuple(param.shape)}"
+                    )
+        self._release_resident()
+        self._write_all(state)
+
+    # -- the pass ---------------------------------------------------------------------------------
+    def _pass(self, order: list[int], keep: set[int], coefficient: float) -> None:
+        reads: dict[int, tuple[torch.Tensor, Future[torch.Tensor]]] = {}
+        writes: deque[tuple[Future[None], torch.Tensor]] = deque()
+        upcoming = deque(sg for sg in order if sg not in self._resident)
+
+        def read_ahead() -> None:
+            while upcoming and self._free and len(reads) < self.prefetch_depth:
+                sg = self.subgroups[upcoming.popleft()]
+                buffer = self._free.pop()
+                view = buffer[: STATE_PARTS * sg.numel]
+                reads[sg.index] = (buffer, self.store.get(self._key(sg), out=view, cache=False))
+
+        def reclaim(block: bool) -> None:
+            while writes and (block or writes[0][0].done()):
+                future, buffer = writes.popleft()
+                future.result()
+                self._free.append(buffer)
+                block = False
+
+        try:
+            for index in order:
+                sg = self.subgroups[index]
+                reclaim(block=False)
+                read_ahead()
+                if index in self._resident:
+                    buffer = self._resident.pop(index)
+                else:
+                    while index not in reads:  # every buffer is busy: wait for a write-back
+                        reclaim(block=True)
+                        read_ahead()
+                    buffer, future = reads.pop(index)
+                    future.result()
+                self._update(sg, buffer, coefficient)
+                read_ahead()
+                if index in keep:
+                    self._resident[index] = buffer
+                else:
+                    state = buffer[: STATE_PARTS * sg.numel]
+                    writes.append((self.store.put(self._key(sg), state, cache=False), buffer))
+        finally:
+            for buffer, future in reads.values():
+                future.exception()
+                self._free.append(buffer)
+            while writes:
+                reclaim(block=True)
+
+    def _update(self, sg: SubGroup, buffer: torch.Tensor, coefficient: float) -> None:
+        """Delayed in-place gradient conversion, then one fused AdamW call over the sub-group."""
+        group = self.param_groups[sg.group]
+        master, exp_avg, exp_avg_sq = buffer[: STATE_PARTS * sg.numel].view(STATE_PARTS, sg.numel)
+        params, grads, ms, vs = [], [], [], []
+        for piece in sg.pieces:
+            grad = self.params[piece.param].grad
+            if grad is None:
+                continue  # as torch.optim.AdamW: no gradient, no update, no weight decay
+            window = slice(piece.offset, piece.offset + piece.length)
+            converted = self._grad[window]
+            converted.copy_(grad.view(-1)[piece.param_offset : piece.param_offset + piece.length])
+            grads.append(converted)
+            params.append(master[window])
+            ms.append(exp_avg[window])
+            vs.append(exp_avg_sq[window])
+        if not params:
+            return
+        if coefficient != 1.0:
+            self._grad[: sg.numel].mul_(coefficient)
+        beta1, beta2 = group["betas"]
+        steps = [torch.tensor(float(self.step_count))] * len(params)
+        torch._fused_adamw_(  # same arithmetic as torch.optim.AdamW(fused=True) on CPU
+            params,
+            grads,
+            ms,
+            vs,
+            [],
+            steps,
+            amsgrad=False,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            grad_scale=None,
+            found_inf=None,
+        )
+        for piece in sg.pieces:
+            if self.params[piece.param].grad is not None:
+                target = self.params[piece.param].data.view(-1)
+                target[piece.param_offset : piece.param_offset + piece.length].copy_(
+                    master[piece.offset : piece.offset + piece.length]
+                )
+
+    def _gradient_coefficient(self, grad_scale: float) -> float | None:
+        """1/grad_scale times the clipping factor, or None if the gradients overflowed."""
+        norms = [
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self.params if p.grad is not None
+        ]
+        if not norms:
+            return 1.0 / grad_scale
+        total = float(torch.linalg.vector_norm(torch.stack(norms))) / grad_scale
+        if not torch.isfinite(torch.tensor(total)):
+            return None
+        coefficient = 1.0 / grad_scale
+        if self.max_grad_norm is not None:
+            coefficient *= min(1.0, self.max_grad_norm / (total + 1e-6))  # as clip_grad_norm_
+        return coefficient
+
+    def _keep(self, order: list[int]) -> set[int]:
+        """Sub-groups to leave in DRAM at the end of this pass."""
+        room = len(self._buffers) - self.prefetch_depth
+        if self.cache_policy == "none" or room <= 0:
+            return set()
+        if self.cache_policy == "static":
+            return set(order[-room:])
+        sizes = [STATE_PARTS * FP32 * sg.numel for sg in self.subgroups]
+        plan = plan_pass(self._path_speeds(), room * self._state_bytes, sizes, order, working_bytes=0)
+        return set(plan.keep)
+
+    def _path_speeds(self) -> list[PathSpeed]:
+        speeds = []
+        for tier in self.store.tiers[:1]:
+            for path in tier.paths:
+                estimate = path.bandwidth()
+                speeds.append(
+                    PathSpeed(path.name, estimate.read, estimate.write)
+                    if estimate
+                    else PathSpeed(path.name, 1e9, 1e9)
+                )
+        return speeds
+
+    # -- state plumbing -----------------------------------------------------------------------------
+    def _key(self, sg: SubGroup) -> str:
+        return f"{self.namespace}/subgroup-{sg.index}"
+
+    def _new_buffer(self) -> torch.Tensor:
+        return AlignedBuffer(self._state_bytes).view(self._state_bytes).view(torch.float32)
+
+    def _fill(self, sg: SubGroup, buffer: torch.Tensor, state: dict[Any, Any] | None) -> None:
+        """Lay out a sub-group's state from per-parameter tensors (or fresh: master = parameter)."""
+        master, exp_avg, exp_avg_sq = buffer[: STATE_PARTS * sg.numel].view(STATE_PARTS, sg.numel)
+        for piece in sg.pieces:
+            window = slice(piece.offset, piece.offset + piece.length)
+            source = slice(piece.param_offset, piece.param_offset + piece.length)
+            entry = None if state is None else state.get(piece.param, state.get(str(piece.param)))
+            weights = (
+                self.params[piece.param]
+                if entry is None or "master_param" not in entry
+                else entry["master_param"]
+            )
+            master[window].copy_(weights.detach().reshape(-1)[source])
+            for part, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
+                if entry is not None and name in entry:
+                    part[window].copy_(entry[name].reshape(-1)[source])
+                else:
+                    part[window].zero_()
+
+    def _write_all(self, state: dict[Any, Any] | None) -> None:
+        """Write every sub-group's state (from ``state``, or fresh), reusing the free buffers."""
+        writes: deque[tuple[Future[None], torch.Tensor]] = deque()
+        for sg in self.subgroups:
+            if not self._free:
+                future, buffer = writes.popleft()
+                future.result()
+                self._free.append(buffer)
+            buffer = self._free.pop()
+            self._fill(sg, buffer, state)
+            writes.append(
+                (self.store.put(self._key(sg), buffer[: STATE_PARTS * sg.numel], cache=False), buffer)
+            )
+        for future, buffer in writes:
+            future.result()
+            self._free.append(buffer)
+
+    def _gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        parts = [[torch.empty(p.shape, dtype=torch.float32) for p in self.params] for _ in range(STATE_PARTS)]
+        for sg in self.subgroups:
+            if sg.index in self._resident:
+                state = self._resident[sg.index][: STATE_PARTS * sg.numel]
+            else:
+                state = self.store.get(self._key(sg)).result()
+            rows = state.view(STATE_PARTS, sg.numel)
+            for piece in sg.pieces:
+                for part, row in zip(parts, rows, strict=True):
+                    part[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
+                        row[piece.offset : piece.offset + piece.length]
+                    )
+        return parts[0], parts[1], parts[2]
+
+    def _flush_resident(self) -> None:
+        writes = [
+            self.store.put(
+                self._key(self.subgroups[i]), buffer[: STATE_PARTS * self.subgroups[i].numel], cache=False
+            )
+            for i, buffer in self._resident.items()
+        ]
+        for future in writes:
+            future.result()
+
+    def _release_resident(self) -> None:
+        self._free.extend(self._resident.values())
+        self._resident.clear()

@@ -1,0 +1,235 @@
+"""OffloadedAdamW against torch.optim.AdamW (foreach=False), with its state in real tiers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from tierstore.backends import open_backend
+from tierstore.optimizer import OffloadedAdamW, partition
+
+from tierstore import BufferMismatchError, CapacityError, Tier, TierStore
+
+SHAPES = [(37, 13), (1000,), (7,), (300, 3), (4097,)]  # sizes off every alignment
+
+
+def make_store(tmp_path: Path, kind: str) -> TierStore:
+    backend = open_backend("dram://" if kind == "dram" else f"nvme://{tmp_path / 'state'}?chunk_bytes=64KiB")
+    return TierStore([Tier("state", backend)], cache_budget=0)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.detach(), expected.detach()
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def run_pair(
+    store: TierStore,
+    *,
+    grad_dtype: torch.dtype,
+    steps: int = 20,
+    max_grad_norm: float | None = None,
+    weight_decay: float = 0.1,
+    grad_scale: float = 1.0,
+    overflow_at: int | None = None,
+    **options: object,
+) -> tuple[OffloadedAdamW, list[torch.nn.Parameter]]:
+    torch.manual_seed(0)
+    model = [torch.nn.Parameter(torch.randn(shape).to(grad_dtype)) for shape in SHAPES]
+    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in model]
+    optimizer = OffloadedAdamW(
+        model,
+        store,
+        lr=1e-2,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        **options,  # type: ignore[arg-type]
+    )
+    expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=weight_decay, foreach=False)
+    for step in range(steps):
+        grads = [torch.randn(shape).mul(grad_scale).to(grad_dtype) for shape in SHAPES]
+        if step == overflow_at:
+            grads[1][3] = float("inf")
+        for param, grad in zip(model, grads, strict=True):
+            param.grad = grad
+        optimizer.step(grad_scale=grad_scale)
+        if step == overflow_at:
+            continue  # the reference skips the step too
+        for param, grad in zip(reference, grads, strict=True):
+            param.grad = grad.float() / grad_scale
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference, max_grad_norm)
+        expected.step()
+    return optimizer, reference
+
+
+def assert_matches(optimizer: OffloadedAdamW, reference: list[torch.nn.Parameter]) -> None:
+    for got, expected in zip(optimizer.master_params(), reference, strict=True):
+        assert relative_error(got, expected) <= 1e-6
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dram", "nvme"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_policy", ["none", "static", "model"])
+def test_matches_torch_adamw(tmp_path: Path, kind: str, grad_dtype: torch.dtype, cache_policy: str) -> None:
+    with make_store(tmp_path, kind) as store:
+        optimizer, reference = run_pair(
+            store,
+            grad_dtype=grad_dtype,
+            sub_group_size=1500,
+            cache_policy=cache_policy,
+            dram_budget=12 * 4 * 1500 + 4 * 1500,  # 2 in flight + 2 kept + the gradient buffer
+        )
+        assert_matches(optimizer, reference)
+        assert optimizer.step_count == 20
+
+
+@pytest.mark.parametrize(("max_grad_norm", "weight_decay"), [(None, 0.0), (1.0, 0.1), (0.01, 0.0)])
+def test_clipping_and_weight_decay(tmp_path: Path, max_grad_norm: float | None, weight_decay: float) -> None:
+    with make_store(tmp_path, "dram") as store:
+        optimizer, reference = run_pair(
+            store,
+            grad_dtype=torch.bfloat16,
+            max_grad_norm=max_grad_norm,
+            weight_decay=weight_decay,
+            sub_group_size=999,
+        )
+        assert_matches(optimizer, reference)
+
+
+def test_loss_scaling_skips_overflowing_steps(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        optimizer, reference = run_pair(
+            store,
+            grad_dtype=torch.float16,
+            grad_scale=1024.0,
+            overflow_at=7,
+            max_grad_norm=1.0,
+            sub_group_size=2000,
+        )
+        assert optimizer.skipped_steps == 1 and optimizer.step_count == 19
+        assert_matches(optimizer, reference)
+
+
+def test_model_parameters_follow_the_master_weights(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        optimizer, _ = run_pair(store, grad_dtype=torch.bfloat16, steps=3, sub_group_size=700)
+        for param, master in zip(optimizer.params, optimizer.master_params(), strict=True):
+            assert torch.equal(param.detach(), master.to(torch.bfloat16))
+
+
+def test_parameters_without_gradients_are_left_alone(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        frozen, trained = torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(10))
+        optimizer = OffloadedAdamW([frozen, trained], store, sub_group_size=15, weight_decay=0.5)
+        trained.grad = torch.ones(10)
+        optimizer.step()
+        assert torch.equal(frozen.detach(), torch.ones(10))
+        assert not torch.equal(trained.detach(), torch.ones(10))
+
+
+def test_param_groups_keep_their_own_hyperparameters(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    a, b = torch.nn.Parameter(torch.randn(500)), torch.nn.Parameter(torch.randn(300))
+    ra, rb = (torch.nn.Parameter(p.detach().clone()) for p in (a, b))
+    with make_store(tmp_path, "dram") as store:
+        groups = [{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.001, "weight_decay": 0.0}]
+        optimizer = OffloadedAdamW(groups, store, sub_group_size=256)
+        expected = torch.optim.AdamW(
+            [{"params": [ra], "lr": 0.1}, {"params": [rb], "lr": 0.001, "weight_decay": 0.0}], foreach=False
+        )
+        assert {sg.group for sg in optimizer.subgroups} == {0, 1}
+        for _ in range(5):
+            for p, r in ((a, ra), (b, rb)):
+                p.grad = torch.randn(p.shape)
+                r.grad = p.grad.clone()
+            optimizer.step()
+            expected.step()
+        for got, want in zip(optimizer.master_params(), (ra, rb), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_save_load_continue_equals_uninterrupted(tmp_path: Path) -> None:
+    def train(optimizer: OffloadedAdamW, params: list[torch.nn.Parameter], steps: range) -> None:
+        for step in steps:
+            generator = torch.Generator().manual_seed(step)
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+            optimizer.step()
+
+    def fresh() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in SHAPES]
+
+    budget = 12 * 4 * 1500 + 4 * 1500
+    with make_store(tmp_path, "dram") as store:
+        params = fresh()
+        straight = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="a")
+        train(straight, params, range(10))
+        expected = straight.master_params()
+
+    with make_store(tmp_path, "dram") as store:
+        params = fresh()
+        first = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="b")
+        train(first, params, range(5))
+        checkpoint = first.state_dict()
+        saved_params = [p.detach().clone() for p in params]
+    assert set(checkpoint["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
+
+    with make_store(tmp_path, "nvme") as store:  # resume on another tier
+        params = fresh()
+        for param, saved in zip(params, saved_params, strict=True):
+            param.data.copy_(saved)
+        resumed = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="c")
+        resumed.load_state_dict(checkpoint)
+        train(resumed, params, range(5, 10))
+        for got, want in zip(resumed.master_params(), expected, strict=True):
+            assert torch.equal(got, want)
+
+
+def test_cached_subgroups_skip_their_reads_and_writes(tmp_path: Path) -> None:
+    sub_group_size, state_bytes = 1000, 12 * 1000
+    with make_store(tmp_path, "dram") as store:
+        params = [torch.nn.Parameter(torch.randn(10 * sub_group_size))]  # 10 sub-groups
+        optimizer = OffloadedAdamW(
+            params,
+            store,
+            sub_group_size=sub_group_size,
+            prefetch_depth=2,
+            dram_budget=5 * state_bytes + 4 * sub_group_size,  # 2 in flight + 3 kept
+        )
+        tier = store.tiers[0]
+        for step in range(4):
+            params[0].grad = torch.randn(params[0].shape)
+            read, written = tier.bytes_read, tier.bytes_written
+            optimizer.step()
+            moved = ((tier.bytes_read - read) // state_bytes, (tier.bytes_written - written) // state_bytes)
+            assert moved == ((10, 7) if step == 0 else (7, 7)), (step, moved)
+        assert store.stats()["cache_bytes"] == 0  # the optimizer manages its own DRAM
+
+
+def test_bad_configuration(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        param = torch.nn.Parameter(torch.randn(1000))
+        with pytest.raises(CapacityError, match="below the working set"):
+            OffloadedAdamW([param], store, sub_group_size=1000, dram_budget=1000)
+        with pytest.raises(BufferMismatchError, match="contiguous"):
+            OffloadedAdamW([torch.nn.Parameter(torch.randn(4, 4).t())], store)
+        optimizer = OffloadedAdamW([param], store, sub_group_size=1000, namespace="x")
+        with pytest.raises(BufferMismatchError, match="shape"):
+            optimizer.load_state_dict(
+                {
+                    "param_groups": optimizer.state_dict()["param_groups"],
+                    "state": {0: {"exp_avg": torch.zeros(3), "step": torch.tensor(1.0)}},
+                }
+            )
+
+
+def test_partition_arithmetic() -> None:
+    subgroups = partition([[(0, 5), (1, 7)], [(2, 3)]], sub_group_size=4)
+    assert [sg.numel for sg in subgroups] == [4, 4, 4, 3]
+    assert [sg.group for sg in subgroups] == [0, 0, 0, 1]
+    assert subgroups[1].pieces[0].param == 0 and subgroups[1].pieces[1].param == 1
+    assert sum(p.length for sg in subgroups for p in sg.pieces) == 15
+    with pytest.raises(ValueError):
+        partition([[(0, 1)]], 0)
