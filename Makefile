@@ -29,11 +29,16 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.test
 	$(BIN)/python -m pytest
 
-# Benchmarks need fio (Debian package); run as root so it can be installed and caches dropped.
+# Benchmarks need fio, and DeepSpeed's baseline libaio-dev (Debian packages); run as root so they
+# can be installed and caches dropped. Never part of `make test`.
 bench: $(VENV)/.test
-	command -v fio >/dev/null || (apt-get update && apt-get install -y fio)
+	command -v fio >/dev/null && dpkg -s libaio-dev >/dev/null 2>&1 || \
+		(apt-get update && apt-get install -y fio libaio-dev)
+	$(BIN)/pip install -e '.[test,deepspeed]'
 	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
 	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
+	$(BIN)/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json
+	$(BIN)/python benchmarks/bench_optimizer.py --output benchmarks/results/optimizer.json
 
 clean:
 	rm -rf $(VENV) *.egg-info tierstore-data bench-data

@@ -206,6 +206,8 @@ def test_cached_subgroups_skip_their_reads_and_writes(tmp_path: Path) -> None:
             moved = ((tier.bytes_read - read) // state_bytes, (tier.bytes_written - written) // state_bytes)
             assert moved == ((10, 7) if step == 0 else (7, 7)), (step, moved)
         assert store.stats()["cache_bytes"] == 0  # the optimizer manages its own DRAM
+        held = sum(buffer.numel() * 4 for buffer in optimizer._buffers) + optimizer._grad.numel() * 4
+        assert held <= optimizer.dram_budget
 
 
 def test_bad_configuration(tmp_path: Path) -> None:
