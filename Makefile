@@ -24,7 +24,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.torch
 	touch $@
 
 demo: $(VENV)/.runtime
-	$(BIN)/tierstore demo
+	$(BIN)/tierstore train
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest

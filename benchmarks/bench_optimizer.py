@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import data_directory, log, measure_fio, metadata, parse_size
+from common import log, measure_fio, metadata, parse_size, run_benchmark
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW
 
@@ -274,14 +274,7 @@ def main() -> int:
     if args.side == "deepspeed":
         print(json.dumps(deepspeed_side(args, args.dir)))
         return 0
-    with data_directory(args.dir, "optimizer-") as directory:
-        document = run(args, directory)
-    text = json.dumps(document, indent=2)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
-    print(text)
-    return 0
+    return run_benchmark(run, args, prefix="optimizer-")
 
 
 if __name__ == "__main__":
