@@ -195,6 +195,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     buffer = self._resident.pop(index)
                 else:
                     while index not in reads:  # every buffer is busy: wait for a write-back
+                        if not writes:
+                            raise RuntimeError("OffloadedAdamW: no buffer left to read into (kept too many)")
                         reclaim(block=True)
                         read_ahead()
                     buffer, future = reads.pop(index)
@@ -281,7 +283,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return set()
         if self.cache_policy == "static":
             return set(order[-room:])
-        sizes = [STATE_PARTS * FP32 * sg.numel for sg in self.subgroups]
+        # A kept sub-group holds a whole ring-sized buffer, whatever its own size.
+        sizes = [self._state_bytes] * len(self.subgroups)
         plan = plan_pass(self._path_speeds(), room * self._state_bytes, sizes, order, working_bytes=0)
         return set(plan.keep)
 

@@ -235,3 +235,21 @@ def test_partition_arithmetic() -> None:
     assert sum(p.length for sg in subgroups for p in sg.pieces) == 15
     with pytest.raises(ValueError):
         partition([[(0, 1)]], 0)
+
+
+def test_uneven_subgroups_never_keep_more_than_the_spare_buffers(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (1000, 10, 10, 10, 10, 10, 10)]
+        groups = OffloadedAdamW(
+            [{"params": [p]} for p in params],
+            store,
+            sub_group_size=1000,
+            dram_budget=3 * 12 * 1000 + 4 * 1000,
+            namespace="groups",
+        )
+        assert len(groups.subgroups) == 7  # one per group: one large, six tiny
+        for _ in range(4):
+            for param in params:
+                param.grad = torch.randn(param.shape)
+            groups.step()
+            assert len(groups._resident) <= len(groups._buffers) - groups.prefetch_depth
