@@ -107,6 +107,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
         """One AdamW step; gradients are divided by ``grad_scale`` (loss scaling). A step whose
         gradients overflow is skipped (``skipped_steps`` counts them) and changes nothing."""
+        if not grad_scale > 0.0:
+            raise ConfigError(f"grad_scale must be a positive number, got {grad_scale}")
         loss = None
         if closure is not None:
             with torch.enable_grad():

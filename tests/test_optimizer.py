@@ -7,7 +7,7 @@ import torch
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, partition
 
-from tierstore import BufferMismatchError, CapacityError, Tier, TierStore
+from tierstore import BufferMismatchError, CapacityError, ConfigError, Tier, TierStore
 
 SHAPES = [(37, 13), (1000,), (7,), (300, 3), (4097,)]  # sizes off every alignment
 
@@ -218,6 +218,9 @@ def test_bad_configuration(tmp_path: Path) -> None:
         with pytest.raises(BufferMismatchError, match="contiguous"):
             OffloadedAdamW([torch.nn.Parameter(torch.randn(4, 4).t())], store)
         optimizer = OffloadedAdamW([param], store, sub_group_size=1000, namespace="x")
+        param.grad = torch.ones(1000)
+        with pytest.raises(ConfigError, match="grad_scale"):
+            optimizer.step(grad_scale=0.0)
         with pytest.raises(BufferMismatchError, match="shape"):
             optimizer.load_state_dict(
                 {
