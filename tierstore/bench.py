@@ -90,8 +90,7 @@ def measure_path(
     """Write then read ``count`` objects on one path alone; GB/s of each phase.
 
     ``between_phases`` runs after the writes (e.g. to drop the page cache before the reads)."""
-    source, target = AlignedBuffer(nbytes), AlignedBuffer(nbytes)
-    source.view(nbytes).fill_(0xA5)
+    source, target = _buffers(nbytes)
     names = [f"tierstore-bench-{index}" for index in range(count)]
     try:
         started = time.perf_counter()
@@ -126,8 +125,7 @@ def measure_tier(
     """Write then read ``count`` objects through the tier's placement; aggregate GB/s and each
     object's write time. ``between(index)`` runs before object ``index`` is written (to change
     conditions mid-run, e.g. slow a path down); ``between_phases`` after all the writes."""
-    source, target = AlignedBuffer(nbytes), AlignedBuffer(nbytes)
-    source.view(nbytes).fill_(0x5A)
+    source, target = _buffers(nbytes)
     placements: list[Placement] = []
     object_seconds: dict[int, float] = {}
 
@@ -169,8 +167,7 @@ def measure_round_trips(
 ) -> list[float]:
     """Seconds per object to write it through the tier and read it back, one object at a time
     (the access pattern of an offloaded optimizer step). ``between(index)`` runs before each."""
-    source, target = AlignedBuffer(nbytes), AlignedBuffer(nbytes)
-    source.view(nbytes).fill_(0x3C)
+    source, target = _buffers(nbytes)
     seconds = []
     for index in range(count):
         if between is not None:
@@ -187,6 +184,13 @@ def measure_round_trips(
             tier.discard(placement)
         seconds.append(time.perf_counter() - started)
     return seconds
+
+
+def _buffers(nbytes: int) -> tuple[AlignedBuffer, AlignedBuffer]:
+    """A source filled with a non-zero pattern and a destination, both page-aligned."""
+    source, target = AlignedBuffer(nbytes), AlignedBuffer(nbytes)
+    source.view(nbytes).fill_(0xA5)
+    return source, target
 
 
 def _figures(moved: int, write_seconds: float, read_seconds: float) -> dict[str, Any]:
