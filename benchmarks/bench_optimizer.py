@@ -76,7 +76,7 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 }
             )
             log(f"  tierstore step {step}: {seconds:.2f} s")
-        kept = len(optimizer._resident)
+        kept = len(optimizer.stager.resident)
     return {
         "subgroups": count,
         "numel": numel,

@@ -20,22 +20,18 @@ master | exp_avg | exp_avg_sq). A step:
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ..buffers import AlignedBuffer
-from ..errors import BufferMismatchError, CapacityError, ConfigError
-from ..model import PathSpeed, plan_pass
+from ..errors import BufferMismatchError, ConfigError
 from ..store import TierStore
 from .partition import SubGroup, partition
+from .staging import FP32, CachePolicy, SubGroupStager
 
-CachePolicy = Literal["model", "static", "none"]
 STATE_PARTS = 3  # master weights, exp_avg, exp_avg_sq
-FP32 = 4
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -65,15 +61,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     ) -> None:
         if not lr >= 0.0 or not eps >= 0.0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ConfigError(f"invalid lr {lr}, eps {eps} or betas {betas}")
-        if prefetch_depth < 1:
-            raise ConfigError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
-        if cache_policy not in ("model", "static", "none"):
-            raise ConfigError(f"cache_policy must be 'model', 'static' or 'none', not {cache_policy!r}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.store = store
-        self.namespace = namespace
         self.max_grad_norm = max_grad_norm
-        self.cache_policy = cache_policy
         self.params = [p for group in self.param_groups for p in group["params"]]
         for param in self.params:
             if not param.is_contiguous() or param.device.type != "cpu":
@@ -84,22 +74,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
             sub_group_size,
         )
         largest = max((sg.numel for sg in self.subgroups), default=1)
-        self._state_bytes = STATE_PARTS * FP32 * largest
-        working = prefetch_depth * self._state_bytes + FP32 * largest
-        self.dram_budget = working if dram_budget is None else dram_budget
-        if self.dram_budget < working:
-            raise CapacityError(
-                f"dram_budget of {self.dram_budget} bytes is below the working set of {working} bytes "
-                f"({prefetch_depth} sub-group buffers of {self._state_bytes} + one fp32 gradient buffer)"
-            )
-        self.prefetch_depth = prefetch_depth
+        self.stager = SubGroupStager(
+            store,
+            namespace,
+            slot_elements=STATE_PARTS * largest,
+            dram_budget=dram_budget,
+            prefetch_depth=prefetch_depth,
+            cache_policy=cache_policy,
+            reserved_bytes=FP32 * largest,  # the fp32 gradient buffer
+        )
         self.step_count = 0
         self.skipped_steps = 0
         self._grad = AlignedBuffer(FP32 * largest).view(FP32 * largest).view(torch.float32)
-        spare = (self.dram_budget - working) // self._state_bytes
-        self._buffers = [self._new_buffer() for _ in range(prefetch_depth + spare)]
-        self._free: list[torch.Tensor] = list(self._buffers)
-        self._resident: dict[int, torch.Tensor] = {}
         self._write_all(None)
 
     # -- public -----------------------------------------------------------------------------------
@@ -121,7 +107,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         order = [sg.index for sg in self.subgroups]
         if self.step_count % 2 == 0:
             order.reverse()
-        self._pass(order, self._keep(order), coefficient)
+        self._pass(order, coefficient)
         return loss
 
     def master_params(self) -> list[torch.Tensor]:
@@ -131,7 +117,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim`` format, plus each parameter's fp32 ``master_param``. Sub-groups cached in
         DRAM are written to the store first, so the store holds the same state as the dict."""
-        self._flush_resident()
+        self.stager.flush()
         masters, exp_avgs, exp_avg_sqs = self._gather()
         step = torch.tensor(float(self.step_count))
         state = {
@@ -165,62 +151,24 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "
                         f"the parameter {tuple(param.shape)}"
                     )
-        self._release_resident()
+        self.stager.drop_resident()
         self._write_all(state)
 
     # -- the pass ---------------------------------------------------------------------------------
-    def _pass(self, order: list[int], keep: set[int], coefficient: float) -> None:
-        reads: dict[int, tuple[torch.Tensor, Future[torch.Tensor]]] = {}
-        writes: deque[tuple[Future[None], torch.Tensor]] = deque()
-        upcoming = deque(sg for sg in order if sg not in self._resident)
-
-        def read_ahead() -> None:
-            while upcoming and self._free and len(reads) < self.prefetch_depth:
-                sg = self.subgroups[upcoming.popleft()]
-                buffer = self._free.pop()
-                view = buffer[: STATE_PARTS * sg.numel]
-                reads[sg.index] = (buffer, self.store.get(self._key(sg), out=view, cache=False))
-
-        def reclaim(block: bool) -> None:
-            while writes and (block or writes[0][0].done()):
-                future, buffer = writes.popleft()
-                future.result()
-                self._free.append(buffer)
-                block = False
-
+    def _pass(self, order: list[int], coefficient: float) -> None:
+        self.stager.begin_pass(order, {sg.index: STATE_PARTS * sg.numel for sg in self.subgroups})
         try:
             for index in order:
-                sg = self.subgroups[index]
-                reclaim(block=False)
-                read_ahead()
-                if index in self._resident:
-                    buffer = self._resident.pop(index)
-                else:
-                    while index not in reads:  # every buffer is busy: wait for a write-back
-                        if not writes:
-                            raise RuntimeError("OffloadedAdamW: no buffer left to read into (kept too many)")
-                        reclaim(block=True)
-                        read_ahead()
-                    buffer, future = reads.pop(index)
-                    future.result()
-                self._update(sg, buffer, coefficient)
-                read_ahead()
-                if index in keep:
-                    self._resident[index] = buffer
-                else:
-                    state = buffer[: STATE_PARTS * sg.numel]
-                    writes.append((self.store.put(self._key(sg), state, cache=False), buffer))
+                state = self.stager.acquire(index)
+                self._update(self.subgroups[index], state, coefficient)
+                self.stager.release(index)
         finally:
-            for buffer, future in reads.values():
-                future.exception()
-                self._free.append(buffer)
-            while writes:
-                reclaim(block=True)
+            self.stager.end_pass()
 
-    def _update(self, sg: SubGroup, buffer: torch.Tensor, coefficient: float) -> None:
+    def _update(self, sg: SubGroup, state: torch.Tensor, coefficient: float) -> None:
         """Delayed in-place gradient conversion, then one fused AdamW call over the sub-group."""
         group = self.param_groups[sg.group]
-        master, exp_avg, exp_avg_sq = buffer[: STATE_PARTS * sg.numel].view(STATE_PARTS, sg.numel)
+        master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
         params, grads, ms, vs = [], [], [], []
         for piece in sg.pieces:
             grad = self.params[piece.param].grad
@@ -278,44 +226,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             coefficient *= min(1.0, self.max_grad_norm / (total + 1e-6))  # as clip_grad_norm_
         return coefficient
 
-    def _keep(self, order: list[int]) -> set[int]:
-        """Sub-groups to leave in DRAM at the end of this pass."""
-        room = len(self._buffers) - self.prefetch_depth
-        if self.cache_policy == "none" or room <= 0:
-            return set()
-        if self.cache_policy == "static":
-            return set(order[-room:])
-        # A kept sub-group holds a whole ring-sized buffer, whatever its own size.
-        sizes = [self._state_bytes] * len(self.subgroups)
-        plan = plan_pass(self._path_speeds(), room * self._state_bytes, sizes, order, working_bytes=0)
-        return set(plan.keep)
-
-    def _path_speeds(self) -> list[PathSpeed]:
-        speeds = []
-        for tier in self.store.tiers[:1]:
-            for path in tier.paths:
-                estimate = path.bandwidth()
-                speeds.append(
-                    PathSpeed(path.name, estimate.read, estimate.write)
-                    if estimate
-                    else PathSpeed(path.name, 1e9, 1e9)
-                )
-        return speeds
-
     # -- state plumbing -----------------------------------------------------------------------------
-    def _key(self, sg: SubGroup) -> str:
-        return f"{self.namespace}/subgroup-{sg.index}"
-
-    def _new_buffer(self) -> torch.Tensor:
-        return AlignedBuffer(self._state_bytes).view(self._state_bytes).view(torch.float32)
-
-    def _fill(self, sg: SubGroup, buffer: torch.Tensor, state: dict[Any, Any] | None) -> None:
+    def _fill(self, sg: SubGroup, state: torch.Tensor, saved: dict[Any, Any] | None) -> None:
         """Lay out a sub-group's state from per-parameter tensors (or fresh: master = parameter)."""
-        master, exp_avg, exp_avg_sq = buffer[: STATE_PARTS * sg.numel].view(STATE_PARTS, sg.numel)
+        master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
         for piece in sg.pieces:
             window = slice(piece.offset, piece.offset + piece.length)
             source = slice(piece.param_offset, piece.param_offset + piece.length)
-            entry = None if state is None else state.get(piece.param, state.get(str(piece.param)))
+            entry = None if saved is None else saved.get(piece.param, saved.get(str(piece.param)))
             weights = (
                 self.params[piece.param]
                 if entry is None or "master_param" not in entry
@@ -328,48 +246,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 else:
                     part[window].zero_()
 
-    def _write_all(self, state: dict[Any, Any] | None) -> None:
-        """Write every sub-group's state (from ``state``, or fresh), reusing the free buffers."""
-        writes: deque[tuple[Future[None], torch.Tensor]] = deque()
+    def _write_all(self, saved: dict[Any, Any] | None) -> None:
+        """Write every sub-group's state (from ``saved``, or fresh) to the store."""
         for sg in self.subgroups:
-            if not self._free:
-                future, buffer = writes.popleft()
-                future.result()
-                self._free.append(buffer)
-            buffer = self._free.pop()
-            self._fill(sg, buffer, state)
-            writes.append(
-                (self.store.put(self._key(sg), buffer[: STATE_PARTS * sg.numel], cache=False), buffer)
-            )
-        for future, buffer in writes:
-            future.result()
-            self._free.append(buffer)
+            self.stager.write(sg.index, STATE_PARTS * sg.numel, lambda state, sg=sg: self._fill(sg, state, saved))
+        self.stager.wait_writes()
 
     def _gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         parts = [[torch.empty(p.shape, dtype=torch.float32) for p in self.params] for _ in range(STATE_PARTS)]
         for sg in self.subgroups:
-            if sg.index in self._resident:
-                state = self._resident[sg.index][: STATE_PARTS * sg.numel]
-            else:
-                state = self.store.get(self._key(sg)).result()
-            rows = state.view(STATE_PARTS, sg.numel)
+            rows = self.stager.read(sg.index).view(STATE_PARTS, sg.numel)
             for piece in sg.pieces:
                 for part, row in zip(parts, rows, strict=True):
                     part[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
                         row[piece.offset : piece.offset + piece.length]
                     )
         return parts[0], parts[1], parts[2]
-
-    def _flush_resident(self) -> None:
-        writes = [
-            self.store.put(
-                self._key(self.subgroups[i]), buffer[: STATE_PARTS * self.subgroups[i].numel], cache=False
-            )
-            for i, buffer in self._resident.items()
-        ]
-        for future in writes:
-            future.result()
-
-    def _release_resident(self) -> None:
-        self._free.extend(self._resident.values())
-        self._resident.clear()

@@ -206,8 +206,8 @@ def test_cached_subgroups_skip_their_reads_and_writes(tmp_path: Path) -> None:
             moved = ((tier.bytes_read - read) // state_bytes, (tier.bytes_written - written) // state_bytes)
             assert moved == ((10, 7) if step == 0 else (7, 7)), (step, moved)
         assert store.stats()["cache_bytes"] == 0  # the optimizer manages its own DRAM
-        held = sum(buffer.numel() * 4 for buffer in optimizer._buffers) + optimizer._grad.numel() * 4
-        assert held <= optimizer.dram_budget
+        held = sum(buffer.numel() * 4 for buffer in optimizer.stager.buffers) + optimizer._grad.numel() * 4
+        assert held <= optimizer.stager.dram_budget
 
 
 def test_bad_configuration(tmp_path: Path) -> None:
@@ -255,4 +255,4 @@ def test_uneven_subgroups_never_keep_more_than_the_spare_buffers(tmp_path: Path)
             for param in params:
                 param.grad = torch.randn(param.shape)
             groups.step()
-            assert len(groups._resident) <= len(groups._buffers) - groups.prefetch_depth
+            assert len(groups.stager.resident) <= len(groups.stager.buffers) - groups.stager.prefetch_depth
