@@ -116,6 +116,14 @@ class SubGroupStager:
         self._held[name] = buffer
         return buffer[: self._sizes[name]]
 
+    def resize(self, name: Hashable, elements: int) -> torch.Tensor:
+        """An acquired sub-group's state grown or shrunk to ``elements`` (its layout changed, e.g. an
+        optimizer created its moments during the first step)."""
+        if FP32 * elements > self.slot_bytes:
+            raise CapacityError(f"{name}: {elements} fp32 values do not fit a {self.slot_bytes}-byte buffer")
+        self._sizes[name] = elements
+        return self._held[name][:elements]
+
     def release(self, name: Hashable) -> None:
         """Done with the sub-group: keep it in DRAM if the plan says so, else write it back."""
         buffer = self._held.pop(name)

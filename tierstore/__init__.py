@@ -20,6 +20,7 @@ from .errors import (
     OutOfRangeError,
     StoreClosedError,
     TierStoreError,
+    UnsupportedVersionError,
     UnwritablePathError,
 )
 from .store import ObjectInfo, TierStore
@@ -45,6 +46,7 @@ __all__ = [
     "Tier",
     "TierStore",
     "TierStoreError",
+    "UnsupportedVersionError",
     "UnwritablePathError",
     "default_config",
     "load_config",

@@ -46,7 +46,7 @@ class Timeline:
         series: dict[str, list[tuple[float, float]]] = {}
         for path in self.paths:
             moved = [0.0] * bins
-            for started, finished, nbytes in list(path.scheduler.telemetry.history):
+            for started, finished, nbytes, _ in list(path.scheduler.telemetry.history):
                 began, ended = max(started, self._start), min(finished, self._stop)
                 if ended <= began:
                     continue

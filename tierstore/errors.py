@@ -63,3 +63,7 @@ def config_error_from_validation(error: Exception, where: str) -> ConfigError:
         location = f"{where}.{field}" if field else where
         problems.append(f"{location}: {item.get('msg', 'invalid')}")
     return ConfigError("invalid configuration: " + ("; ".join(problems) or f"{where}: {error}"))
+
+
+class UnsupportedVersionError(TierStoreError, RuntimeError):
+    """An integration's host library (e.g. DeepSpeed) is a version tierstore does not support."""

@@ -106,8 +106,9 @@ class _Request:
 class PathTelemetry:
     """Counted where the bytes move; aggregated upwards, never recomputed."""
 
-    history: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=100_000))
-    """(start, end, bytes) of recent completed requests, monotonic clock (for timelines)."""
+    history: deque[tuple[float, float, int, str]] = field(default_factory=lambda: deque(maxlen=100_000))
+    """(start, end, bytes, direction) of recent completed requests, monotonic clock (for timelines;
+    comparable across the node's processes)."""
     requests: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: {"read": 0, "write": 0})
     queue_wait_seconds: float = 0.0
@@ -223,6 +224,7 @@ class PathScheduler:
     def _finish(
         self, request: _Request, slot: int | None, stamp: tuple[float, float], error: BaseException | None
     ) -> None:
+        finished = time.monotonic()  # before the node-wide slot goes back: intervals never overlap
         if slot is not None:
             self.node_limits[request.direction].release(slot)
         with self._cond:
@@ -230,7 +232,7 @@ class PathScheduler:
             self.meters[request.direction].finished(stamp, 0 if error else request.nbytes)
             if error is None:
                 self.telemetry.bytes[request.direction] += request.nbytes
-                self.telemetry.history.append((stamp[0], time.monotonic(), request.nbytes))
+                self.telemetry.history.append((stamp[0], finished, request.nbytes, request.direction))
             self._cond.notify_all()
         if error is None:
             request.done.set_result(None)

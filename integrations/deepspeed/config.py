@@ -1,0 +1,66 @@
+"""The ``tierstore`` section of a DeepSpeed config, validated by pydantic (no DeepSpeed import).
+
+DeepSpeed keeps unknown top-level sections and hands the raw dict to the ZeRO-3 optimizer; every
+other place (``zero_optimization``, ``offload_optimizer``, ``aio``) rejects or silently drops
+unknown keys, so the section sits at the top level::
+
+    "tierstore": {
+        "tiers": [{"name": "nvme", "paths": [
+            {"backend": "nvme:///local/nvme/ts", "max_writes": 8},
+            {"backend": "zarr:///lustre/me/ts", "node_limit": {"key": "lustre", "max_writes": 2}}]}],
+        "dram_budget": "8GiB",
+        "prefetch_depth": 2,
+        "cache_policy": "model",
+        "order": "alternate"
+    }
+
+Without ``tiers``, one NVMe tier under ``offload_optimizer.nvme_path`` is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+
+from tierstore.config import CacheConfig, StoreConfig, TierConfig
+from tierstore.errors import ConfigError, config_error_from_validation
+
+SECTION = "tierstore"
+
+
+class TierstoreSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tiers: list[TierConfig] | None = Field(None, min_length=1)
+    """Where the fp32 optimizer state goes (as in a store config); default: NVMe at nvme_path."""
+    workers: int = Field(4, ge=1, le=256)
+    dram_budget: ByteSize | None = None
+    """DRAM for staging optimizer state per rank: read-ahead ring, fp32 gradient scratch and the
+    sub-groups kept between steps. Default: just the ring and the scratch (nothing kept)."""
+    prefetch_depth: int = Field(2, ge=1, le=64)
+    cache_policy: Literal["model", "static", "none"] = "model"
+    """Which sub-groups stay in DRAM across steps: the I/O model, MLP-Offload's last K, or none."""
+    order: Literal["alternate", "ascending"] = "alternate"
+    """Sub-group order per step: alternate forward/reverse (cache-friendly) or DeepSpeed's own."""
+
+    def store_config(self, nvme_path: str | Path, rank: int) -> StoreConfig:
+        """The rank's store: no store-level cache (the stager holds the DRAM), default tier on
+        ``nvme_path``."""
+        tiers = self.tiers or [
+            TierConfig(name="nvme", backend={"type": "nvme", "path": str(Path(nvme_path) / "tierstore" / f"rank{rank}")})
+        ]
+        return StoreConfig(cache=CacheConfig(budget=ByteSize(0)), tiers=tiers, workers=self.workers)
+
+
+def parse_section(ds_config: Mapping[str, Any]) -> TierstoreSection:
+    """The validated ``tierstore`` section of a DeepSpeed config dict."""
+    raw = ds_config.get(SECTION)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{SECTION}: the DeepSpeed config needs a '{SECTION}' section (a mapping)")
+    try:
+        return TierstoreSection.model_validate(dict(raw))
+    except ValidationError as error:
+        raise config_error_from_validation(error, SECTION) from None

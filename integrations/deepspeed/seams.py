@@ -1,0 +1,427 @@
+"""Every point where tierstore plugs into DeepSpeed ZeRO-3 (0.19.x), in one module.
+
+Nothing here edits DeepSpeed; each seam is an override or a scoped substitution, checked by
+:func:`check_seams` before use (a DeepSpeed that renamed one fails with a clear error, not silently):
+
+1. ``engine._configure_zero_optimizer`` imports ``stage3.DeepSpeedZeroOptimizer_Stage3`` when it
+   runs: :func:`substituted_optimizer` swaps in :class:`TierStoreZeroOptimizer` for the duration of
+   ``deepspeed.initialize`` and restores it after.
+2. ``_configure_tensor_swapping``: builds a :class:`TierStoreSwapper` (state in a TierStore through
+   a :class:`~tierstore.optimizer.staging.SubGroupStager`) instead of DeepSpeed's aio swappers.
+3. ``_offload_grad_partition_at_boundary``: records the gradient norm only. Gradients stay in the
+   low-precision ``grad_partitions_flat_buffer``; no fp32 gradient is ever written to storage.
+4. ``_optimizer_states_and_gradient_swap_in``: after the state is in, converts the sub-group's
+   low-precision gradient slice into one reused fp32 buffer (delayed, in place) as ``.grad``.
+5. ``step``: visits sub-groups forward, then in reverse on the next step (cache-friendly order),
+   and tells the swapper the order so it reads ahead and keeps the end of the pass in DRAM.
+6. Checkpoints: the engine copies ``swapper.swap_folder`` into ``<tag>/offloaded_tensors/rankNN``
+   on save and back on load, then calls ``reset_swap_buffers``. ``_rigid_state_dict`` (save)
+   exports a snapshot there (state objects, Adam step counts, loss scaler); ``reset_swap_buffers``
+   (load) restores it; ``checkpoint_event_epilogue`` removes it again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import deepspeed.runtime.zero.stage3 as stage3
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+
+from tierstore.buffers import AlignedBuffer
+from tierstore.errors import BufferMismatchError, CapacityError, ConfigError, UnsupportedVersionError
+from tierstore.optimizer.staging import FP32, SubGroupStager
+from tierstore.store import TierStore
+
+from .config import TierstoreSection, parse_section
+
+_BaseOptimizer: Any = stage3.DeepSpeedZeroOptimizer_Stage3
+MAX_STATE_TENSORS = 2  # Adam/AdamW: exp_avg, exp_avg_sq
+MANIFEST = "tierstore-snapshot.json"
+_RELIED_ON = (
+    "_configure_tensor_swapping",
+    "_offload_grad_partition_at_boundary",
+    "_optimizer_states_and_gradient_swap_in",
+    "_rigid_state_dict",
+    "reset_swap_buffers",
+    "checkpoint_event_epilogue",
+    "destroy",
+    "_pre_step",
+    "_partition_all_parameters",
+    "_overflow_check_and_loss_scale_update",
+    "_loss_scale_update_and_overflow_cleanup",
+    "_prepare_sub_group",
+    "unscale_and_clip_grads",
+    "_optimizer_step",
+    "_reassign_or_swap_out_partitioned_parameters",
+    "_release_sub_group",
+    "_post_step",
+)
+
+
+def check_seams() -> None:
+    """Fail clearly if this DeepSpeed lacks a method the overrides rely on."""
+    missing = [name for name in _RELIED_ON if not callable(getattr(_BaseOptimizer, name, None))]
+    if missing:
+        raise UnsupportedVersionError(
+            "this DeepSpeed's ZeRO-3 optimizer lacks " + ", ".join(missing) + "; tierstore cannot plug in"
+        )
+
+
+@contextmanager
+def substituted_optimizer() -> Iterator[None]:
+    """Make the engine build :class:`TierStoreZeroOptimizer` (process-wide, so only while inside)."""
+    check_seams()
+    stage3.DeepSpeedZeroOptimizer_Stage3 = TierStoreZeroOptimizer
+    try:
+        yield
+    finally:
+        stage3.DeepSpeedZeroOptimizer_Stage3 = _BaseOptimizer
+
+
+class TierStoreSwapper:
+    """DeepSpeed's optimizer-swapper surface over a TierStore.
+
+    Each fp32 sub-group partition (DeepSpeed's ``fp32_partitioned_groups_flat[i]``, named by its
+    ``ds_id``) is one store object laid out ``[master | state tensors...]``. The state tensors are
+    whatever the optimizer keeps per element (Adam: ``exp_avg``, ``exp_avg_sq``), discovered when
+    it first creates them; between swap-in and swap-out they are views into the staging buffer.
+    """
+
+    def __init__(
+        self,
+        store: TierStore,
+        section: TierstoreSection,
+        swap_folder: Path,
+        optimizer: torch.optim.Optimizer,
+        largest_numel: int,
+        namespace: str,
+    ) -> None:
+        self.store = store
+        self.optimizer = optimizer
+        self.swap_folder = str(swap_folder)
+        os.makedirs(self.swap_folder, mode=0o700, exist_ok=True)
+        self.stager = SubGroupStager(
+            store,
+            namespace,
+            slot_elements=(1 + MAX_STATE_TENSORS) * largest_numel,
+            dram_budget=None if section.dram_budget is None else int(section.dram_budget),
+            prefetch_depth=section.prefetch_depth,
+            cache_policy=section.cache_policy,
+            reserved_bytes=FP32 * largest_numel,
+        )
+        self.gradient = AlignedBuffer(FP32 * largest_numel).view(FP32 * largest_numel).view(torch.float32)
+        """The one fp32 gradient buffer sub-groups are converted into during the update."""
+        self._parameters: dict[str, torch.Tensor] = {}
+        self._numels: dict[str, int] = {}
+        self._state_names: dict[str, tuple[str, ...]] = {}
+        self._closer = weakref.finalize(self, store.close)
+
+    # -- DeepSpeed's swapper surface ------------------------------------------------------------
+    def is_swappable_tensor(self, tensor: torch.Tensor | None = None, numel: int | None = None) -> bool:
+        """Every sub-group goes through the store, so every one takes the low-precision path."""
+        return True
+
+    def initialize_parameters(self, parameters: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor]) -> None:
+        for parameter, source in zip(parameters, src_tensors, strict=True):
+            name = self._register(parameter, source.numel())
+            self.stager.write(name, source.numel(), lambda state, source=source: state.copy_(source.reshape(-1)))
+        self.stager.wait_writes()
+
+    def initialize_from_swapped_fp16_params(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.fast_init: not supported with tierstore when parameters "
+            "are offloaded to NVMe; set it to false"
+        )
+
+    def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: torch.Tensor | None = None) -> None:
+        """Point the master weights and the optimizer's state tensors into the staged buffer
+        (read-ahead follows the pass order given to :meth:`begin_pass`, not ``async_parameter``)."""
+        name = self._name(parameter)
+        numel = self._numels[name]
+        names = self._state_names[name]
+        state = self.stager.acquire(name, (1 + len(names)) * numel)
+        parameter.data = state[:numel]
+        entry = self.optimizer.state[parameter]
+        for slot, key in enumerate(names, start=1):
+            view = state[slot * numel : (slot + 1) * numel]
+            if torch.is_tensor(entry.get(key)):
+                entry[key].data = view
+            else:
+                entry[key] = view
+
+    def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
+        """Lay the state tensors out in the buffer (copying any the optimizer created anew), then
+        keep the sub-group in DRAM or write it back, as the stager's plan says."""
+        name = self._name(parameter)
+        numel = self._numels[name]
+        tensors = [
+            (key, value)
+            for key, value in self.optimizer.state.get(parameter, {}).items()
+            if torch.is_tensor(value) and value.shape == (numel,)
+        ]
+        if len(tensors) > MAX_STATE_TENSORS:
+            raise CapacityError(
+                f"the optimizer keeps {len(tensors)} state tensors per element; tierstore stages at most "
+                f"{MAX_STATE_TENSORS} (Adam/AdamW)"
+            )
+        state = self.stager.resize(name, (1 + len(tensors)) * numel)
+        targets = [state[slot * numel : (slot + 1) * numel] for slot in range(1, len(tensors) + 1)]
+        sources = [
+            value if value.data_ptr() == target.data_ptr() else value.clone()
+            for (_, value), target in zip(tensors, targets, strict=True)
+        ]
+        for source, target in zip(sources, targets, strict=True):
+            if source.data_ptr() != target.data_ptr():
+                target.copy_(source)
+        for _, value in tensors:
+            value.data = torch.empty(0, dtype=value.dtype)
+        parameter.data = torch.empty(0, dtype=parameter.dtype)
+        self._state_names[name] = tuple(key for key, _ in tensors)
+        self.stager.release(name)
+
+    def release_swap_buffers(self, parameter: torch.Tensor) -> None:
+        """DeepSpeed releases without writing when it did not change the state; the staged copy
+        may still be the only current one (kept in DRAM), so it is released the normal way."""
+        self.swap_out_optimizer_state(parameter)
+
+    def writeback_optimizer_state_and_gradients(
+        self, parameter: torch.Tensor, write_opt_state: bool, write_gradients: bool
+    ) -> None:
+        self.swap_out_optimizer_state(parameter)
+
+    def swap_out_gradients(self, parameter: torch.Tensor, gradient_offsets: Any, gradient_tensors: Any) -> None:
+        raise RuntimeError("tierstore keeps gradients in low precision in memory; none is ever swapped out")
+
+    def purge_state(self) -> None:
+        """DeepSpeed replaced the optimizer's state tensors (a state-dict load): stage the masters
+        only, and lay the new tensors out at the next swap-out."""
+        self._state_names = dict.fromkeys(self._state_names, ())
+
+    def init_timers(self) -> None:
+        """Timing lives in the store's telemetry (``store.stats()``)."""
+
+    def log_timers(self) -> None:
+        """Timing lives in the store's telemetry (``store.log_stats()``)."""
+
+    def pre_backward(self) -> None:
+        """Nothing to prepare: gradients never go through the store."""
+
+    def post_backward(self) -> None:
+        """Nothing to finish: gradients never go through the store."""
+
+    # -- tierstore's additions ------------------------------------------------------------------
+    def begin_pass(self, parameters: Sequence[torch.Tensor]) -> None:
+        """A step will visit these sub-groups in this order."""
+        names = [self._name(p) for p in parameters]
+        self.stager.begin_pass(names, {n: (1 + len(self._state_names[n])) * self._numels[n] for n in names})
+
+    def end_pass(self) -> None:
+        self.stager.end_pass()
+
+    def export_snapshot(self, extra: dict[str, Any]) -> None:
+        """Write every sub-group's state, the optimizer's per-sub-group scalars (step counts) and
+        ``extra`` into ``swap_folder``, for the engine to copy into the checkpoint."""
+        entries = []
+        for name, parameter in self._parameters.items():
+            file = f"{name}.state"
+            self.stager.read(name).numpy().tofile(os.path.join(self.swap_folder, file))
+            entries.append(
+                {
+                    "name": name,
+                    "numel": self._numels[name],
+                    "states": list(self._state_names[name]),
+                    "file": file,
+                    "scalars": _encode_scalars(self.optimizer.state.get(parameter, {}), name),
+                }
+            )
+        manifest = {"format": 1, "subgroups": entries, "extra": extra}
+        with open(os.path.join(self.swap_folder, MANIFEST), "w") as out:
+            json.dump(manifest, out)
+
+    def restore_snapshot(self) -> dict[str, Any]:
+        """Rewrite the store from the snapshot the engine copied into ``swap_folder``; returns its
+        ``extra``. The model's sub-groups must match the saved ones (same model, sub_group_size and
+        world size)."""
+        path = os.path.join(self.swap_folder, MANIFEST)
+        try:
+            with open(path) as source:
+                manifest = json.load(source)
+        except FileNotFoundError:
+            raise BufferMismatchError(f"{path}: the checkpoint has no tierstore snapshot") from None
+        saved = {entry["name"]: entry for entry in manifest["subgroups"]}
+        if {name: entry["numel"] for name, entry in saved.items()} != self._numels:
+            raise BufferMismatchError(
+                "the checkpoint's sub-groups differ from this model's (model, sub_group_size and world "
+                "size must match the run that saved it)"
+            )
+        self.stager.drop_resident()
+        for name, entry in saved.items():
+            states = tuple(entry["states"])
+            if len(states) > MAX_STATE_TENSORS:
+                raise BufferMismatchError(f"{path}: sub-group {name} has {len(states)} state tensors")
+            elements = (1 + len(states)) * entry["numel"]
+            file = os.path.join(self.swap_folder, entry["file"])
+            self.stager.write(name, elements, lambda state, file=file: _read_exactly(file, state))
+            self._state_names[name] = states
+            state_entry = self.optimizer.state[self._parameters[name]]
+            for key in states:
+                state_entry.setdefault(key, torch.empty(0))
+            state_entry.update(_decode_scalars(entry["scalars"]))
+        self.stager.wait_writes()
+        extra: dict[str, Any] = manifest["extra"]
+        return extra
+
+    def clear_snapshot(self) -> None:
+        """Remove an exported or restored snapshot from ``swap_folder``."""
+        for entry in os.scandir(self.swap_folder):
+            if entry.name == MANIFEST or entry.name.endswith(".state"):
+                os.unlink(entry.path)
+
+    def close(self) -> None:
+        """Close the store (its objects are scratch: the checkpoint snapshot is the durable copy)."""
+        self._closer()
+
+    # -- internals ------------------------------------------------------------------------------
+    @staticmethod
+    def _name(parameter: torch.Tensor) -> str:
+        return str(parameter.ds_id)  # type: ignore[attr-defined]
+
+    def _register(self, parameter: torch.Tensor, numel: int) -> str:
+        name = self._name(parameter)
+        self._parameters[name] = parameter
+        self._numels[name] = numel
+        self._state_names[name] = ()
+        return name
+
+
+def _encode_scalars(entry: dict[str, Any], name: str) -> dict[str, Any]:
+    """The optimizer's non-tensor state of a sub-group (Adam: ``step``), JSON-ready."""
+    encoded: dict[str, Any] = {}
+    for key, value in entry.items():
+        if torch.is_tensor(value) and value.dim() == 0:
+            encoded[key] = {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+        elif isinstance(value, (bool, int, float)):
+            encoded[key] = value
+        elif not torch.is_tensor(value):
+            raise BufferMismatchError(f"sub-group {name}: optimizer state {key!r} ({type(value).__name__}) cannot be saved")
+    return encoded
+
+
+def _decode_scalars(encoded: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"])) if isinstance(value, dict) else value
+        for key, value in encoded.items()
+    }
+
+
+def _read_exactly(file: str, target: torch.Tensor) -> None:
+    with open(file, "rb") as source:
+        got = source.readinto(memoryview(target.numpy()).cast("B"))
+        if got != target.numel() * target.element_size() or source.read(1):
+            raise BufferMismatchError(f"{file}: size does not match the sub-group's state")
+
+
+class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
+    """DeepSpeed's ZeRO-3 optimizer with its optimizer-state offload going through tierstore."""
+
+    def __init__(self, *args: Any, ds_config: Any, **kwargs: Any) -> None:
+        self.tierstore_section = parse_section(ds_config)
+        self._tierstore_ready = False
+        self._tierstore_passes = 0
+        super().__init__(*args, ds_config=ds_config, **kwargs)
+        self._grad_offsets = [0, *itertools.accumulate(self.fp16_partitioned_groups_flat_numel)]
+        self._tierstore_ready = True
+
+    # seam 2
+    def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
+        rank = dist.get_rank()
+        nvme_path = Path(offload_optimizer_config.nvme_path)
+        store = TierStore.from_config(self.tierstore_section.store_config(nvme_path, rank))
+        self.optimizer_swapper = TierStoreSwapper(
+            store,
+            self.tierstore_section,
+            nvme_path / "zero_stage_3" / "tierstore" / f"rank{rank}",
+            self.optimizer,
+            largest_numel=max(self.fp16_partitioned_groups_flat_numel),
+            namespace=f"rank{rank}",
+        )
+
+    # seam 3
+    def _offload_grad_partition_at_boundary(
+        self, param: Any, grad_buffer: torch.Tensor, offload_fp32_gradients: Any, offload_fp32_offsets: Any
+    ) -> None:
+        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+
+    # seam 4
+    def _optimizer_states_and_gradient_swap_in(self, sub_group_id: int, timer_names: Any = None) -> None:
+        super()._optimizer_states_and_gradient_swap_in(sub_group_id, timer_names)
+        if not self._tierstore_ready:  # construction: the gradient buffer does not exist yet
+            return
+        start, end = self._grad_offsets[sub_group_id], self._grad_offsets[sub_group_id + 1]
+        gradient = self.optimizer_swapper.gradient[: end - start]
+        gradient.copy_(self.grad_partitions_flat_buffer[start:end])
+        self.fp32_partitioned_groups_flat[sub_group_id].grad = gradient
+
+    # seam 5: stock step() with the sub-group order made explicit (DeepSpeed 0.19.8, stage3.py)
+    def step(self, closure: Any = None) -> None:
+        self._pre_step()
+        self._partition_all_parameters()
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_global_grad_norm = None
+        if not self.overflow:
+            norm_groups = self._get_norm_groups()
+            scaled_global_grad_norm = combine_grad_norm_groups(norm_groups)
+            if is_invalid_grad_norm(scaled_global_grad_norm):
+                self.overflow = True
+        if self._loss_scale_update_and_overflow_cleanup():
+            return
+        self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
+        timer_names = {stage3.OPTIMIZER_STEP_TIMER}
+        self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
+        self._tierstore_passes += 1
+        order = list(range(len(self.fp16_groups)))
+        if self.tierstore_section.order == "alternate" and self._tierstore_passes % 2 == 0:
+            order.reverse()
+        self.optimizer_swapper.begin_pass([self.fp32_partitioned_groups_flat[i] for i in order])
+        try:
+            for sub_group_id in order:
+                self._prepare_sub_group(sub_group_id, timer_names)
+                self.unscale_and_clip_grads(sub_group_id, scaled_global_grad_norm)
+                self._optimizer_step(sub_group_id)
+                self._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+                self._release_sub_group(sub_group_id, timer_names)
+        finally:
+            self.optimizer_swapper.end_pass()
+        self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
+        self._post_step(timer_names)
+
+    # seam 6
+    def _rigid_state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = super()._rigid_state_dict()
+        scaler = {k: v for k, v in vars(self.loss_scaler).items() if isinstance(v, (bool, int, float))}
+        self.optimizer_swapper.export_snapshot({"loss_scaler": scaler, "passes": self._tierstore_passes})
+        return state
+
+    def reset_swap_buffers(self) -> None:
+        extra = self.optimizer_swapper.restore_snapshot()
+        for key, value in extra["loss_scaler"].items():
+            setattr(self.loss_scaler, key, value)
+        self._tierstore_passes = int(extra["passes"])
+        super().reset_swap_buffers()  # fp32 masters -> the model's low-precision partitions
+
+    def checkpoint_event_epilogue(self) -> None:
+        super().checkpoint_event_epilogue()
+        self.optimizer_swapper.clear_snapshot()
+
+    def destroy(self) -> None:
+        super().destroy()
+        self.optimizer_swapper.close()

@@ -1,0 +1,153 @@
+"""The DeepSpeed integration against real DeepSpeed ZeRO-3 on CPU (gloo), one process per rank.
+
+Each run is the integration's example script in a fresh process (DeepSpeed keeps process-wide
+state), with its optimizer state on tmpfs, which accepts O_DIRECT here and keeps runs steady.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from tierstore.integrations.deepspeed import check_deepspeed_version, validate_config  # noqa: E402
+
+from tierstore import ConfigError, UnsupportedVersionError  # noqa: E402
+
+SMALL = ["--layers", "2", "--width", "256", "--heads", "4", "--vocab", "2048", "--sub-group-size", "1000000"]
+BF16_TOLERANCE = 2e-2  # relative; bf16 keeps 8 bits of mantissa
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Any:
+    """A directory on tmpfs when there is one (O_DIRECT works there on this kernel)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    directory = base / f"tierstore-ds-{os.getpid()}-{tmp_path.name}"
+    directory.mkdir()
+    yield directory
+    subprocess.run(["rm", "-rf", str(directory)], check=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def train(*args: str, world: int = 1, output: Path) -> list[dict[str, Any]]:
+    """Run the example on ``world`` ranks; rank 0's rows."""
+    port = str(free_port())
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tierstore.integrations.deepspeed.example", *args, "--json", str(output)],
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    logs = [process.communicate(timeout=600)[0] for process in processes]
+    for process, log in zip(processes, logs, strict=True):
+        assert process.returncode == 0, log[-4000:]
+    rows: list[dict[str, Any]] = json.loads(output.read_text())["rows"]
+    return rows
+
+
+def losses(rows: list[dict[str, Any]]) -> list[float]:
+    return [row["loss"] for row in rows]
+
+
+def test_losses_match_deepspeeds_own_nvme_offload(scratch: Path) -> None:
+    """The default model: a 6-block GPT of about 55M parameters in bf16, 10 steps each way."""
+    stock = train("--offload", "deepspeed", "--nvme", str(scratch / "stock"), output=scratch / "stock.json")
+    ours = train("--offload", "tierstore", "--nvme", str(scratch / "ts"), output=scratch / "ts.json")
+    assert len(stock) == len(ours) == 10
+    assert losses(ours) == pytest.approx(losses(stock), rel=BF16_TOLERANCE)
+    assert losses(ours)[-1] < losses(ours)[0] / 2  # it learns
+    parameters = json.loads((scratch / "ts.json").read_text())["parameters"]
+    assert 50e6 <= parameters <= 100e6
+    for row in ours[1:]:  # fp32 state only (master + 2 moments), never an fp32 gradient
+        assert 0 < row["bytes_written"] <= 12 * parameters
+    assert not list((scratch / "ts").rglob("*gradient*"))
+
+
+def test_checkpoint_resumes_exactly(scratch: Path) -> None:
+    common = ["--offload", "tierstore", "--steps", "6", *SMALL]
+    straight = train(*common, "--nvme", str(scratch / "a"), "--save", str(scratch / "ckpt"), "--save-after", "3",
+                     output=scratch / "a.json")
+    resumed = train(*common, "--nvme", str(scratch / "b"), "--load", str(scratch / "ckpt"), output=scratch / "b.json")
+    assert [row["step"] for row in resumed] == [3, 4, 5]
+    assert losses(resumed) == losses(straight)[3:]  # bit for bit: Adam state, steps, masters restored
+    assert not list((scratch / "a").rglob("*.state"))  # the snapshot left the swap folder after the copy
+
+
+def test_two_ranks_match_one_and_share_the_node_limit(scratch: Path) -> None:
+    tiers = [
+        {
+            "name": "virtual",
+            "paths": [
+                {"name": "local", "backend": f"nvme://{scratch / 'local'}"},
+                {
+                    "name": "pfs",
+                    "backend": f"nvme://{scratch / 'pfs'}",
+                    "node_limit": {"key": f"pfs-{scratch.name}", "directory": str(scratch / "locks")},
+                },
+            ],
+        }
+    ]
+    common = ["--offload", "tierstore", "--steps", "4", "--batch", "4", *SMALL, "--tiers", json.dumps(tiers)]
+    one = train(*common, "--nvme", str(scratch / "one"), output=scratch / "one.json")
+    two = train(*common, "--nvme", str(scratch / "two"), "--telemetry", str(scratch / "paths"), world=2,
+                output=scratch / "two.json")
+    assert losses(two) == pytest.approx(losses(one), rel=BF16_TOLERANCE)
+    history = [json.loads((scratch / f"paths.rank{rank}").read_text()) for rank in range(2)]
+    for direction in ("read", "write"):
+        intervals = sorted(
+            (start, end, rank)
+            for rank in range(2)
+            for start, end, _, moved in history[rank]["pfs"]
+            if moved == direction
+        )
+        assert {rank for *_, rank in intervals} == {0, 1}, direction  # both ranks used the shared path
+        for (_, end, _), (start, _, _) in itertools.pairwise(intervals):
+            assert start >= end, f"two {direction}s on the shared path at once across ranks"
+
+
+def test_configuration_errors_name_the_field() -> None:
+    good = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}},
+        "tierstore": {"dram_budget": "1GiB"},
+    }
+    assert validate_config(good)["tierstore"] == {"dram_budget": "1GiB"}
+    cases = {
+        "tierstore": {k: v for k, v in good.items() if k != "tierstore"},
+        "tierstore.cache_policy": {**good, "tierstore": {"cache_policy": "lru"}},
+        "tierstore.tiers.0.placement": {**good, "tierstore": {"tiers": [{"name": "x", "backend": "dram://", "placement": "?"}]}},
+        "zero_optimization.stage": {**good, "zero_optimization": {"stage": 2}},
+        "zero_optimization.offload_optimizer": {
+            **good,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        },
+        "optimizer.type": {**good, "optimizer": {"type": "SGD"}},
+    }
+    for field, config in cases.items():
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            validate_config(config)
+
+
+def test_unsupported_deepspeed_versions_are_refused() -> None:
+    assert check_deepspeed_version("0.19.8") == "0.19.8"
+    for version in ("0.18.4", "0.20.0"):
+        with pytest.raises(UnsupportedVersionError, match=f"DeepSpeed {version} is not supported"):
+            check_deepspeed_version(version)
