@@ -20,6 +20,7 @@ master | exp_avg | exp_avg_sq). A step:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -227,7 +228,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return coefficient
 
     # -- state plumbing -----------------------------------------------------------------------------
-    def _fill(self, sg: SubGroup, state: torch.Tensor, saved: dict[Any, Any] | None) -> None:
+    def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
         """Lay out a sub-group's state from per-parameter tensors (or fresh: master = parameter)."""
         master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
         for piece in sg.pieces:
@@ -249,7 +250,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _write_all(self, saved: dict[Any, Any] | None) -> None:
         """Write every sub-group's state (from ``saved``, or fresh) to the store."""
         for sg in self.subgroups:
-            self.stager.write(sg.index, STATE_PARTS * sg.numel, lambda state, sg=sg: self._fill(sg, state, saved))
+            self.stager.write(
+                sg.index, STATE_PARTS * sg.numel, functools.partial(self._fill, sg, saved=saved)
+            )
         self.stager.wait_writes()
 
     def _gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:

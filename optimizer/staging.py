@@ -233,6 +233,8 @@ class SubGroupStager:
         for path in self.store.tiers[0].paths:
             estimate = path.bandwidth()
             speeds.append(
-                PathSpeed(path.name, estimate.read, estimate.write) if estimate else PathSpeed(path.name, 1e9, 1e9)
+                PathSpeed(path.name, estimate.read, estimate.write)
+                if estimate
+                else PathSpeed(path.name, 1e9, 1e9)
             )
         return speeds

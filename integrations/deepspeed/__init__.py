@@ -67,25 +67,28 @@ def validate_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[
         except (OSError, json.JSONDecodeError) as error:
             raise ConfigError(f"cannot read the DeepSpeed config {config}: {error}") from None
     if not isinstance(config, Mapping):
-        raise ConfigError(f"the DeepSpeed config must be a mapping or a JSON file, not {type(config).__name__}")
+        raise ConfigError(
+            f"the DeepSpeed config must be a mapping or a JSON file, not {type(config).__name__}"
+        )
     config = dict(config)
     parse_section(config)
     zero = config.get("zero_optimization") or {}
     if zero.get("stage") != 3:
-        raise ConfigError(f"zero_optimization.stage: tierstore offloads ZeRO-3 optimizer state; got {zero.get('stage')!r}")
+        raise ConfigError(
+            f"zero_optimization.stage: tierstore offloads ZeRO-3 optimizer state; got {zero.get('stage')!r}"
+        )
     offload = zero.get("offload_optimizer") or {}
     if offload.get("device") != "nvme" or not offload.get("nvme_path"):
         raise ConfigError(
-            "zero_optimization.offload_optimizer: tierstore replaces ZeRO-Infinity's NVMe swapping of optimizer "
-            "state, so set device 'nvme' and an nvme_path (where checkpoints stage the state)"
+            "zero_optimization.offload_optimizer: tierstore replaces ZeRO-Infinity's NVMe swapping of "
+            "optimizer state, so set device 'nvme' and an nvme_path (where checkpoints stage the state)"
         )
     if offload.get("super_offload"):
         raise ConfigError("zero_optimization.offload_optimizer.super_offload: not supported with tierstore")
     optimizer_type = str((config.get("optimizer") or {}).get("type", "")).lower()
     if optimizer_type not in ("adam", "adamw"):
-        raise ConfigError(
-            f"optimizer.type: tierstore stages Adam/AdamW state; got {optimizer_type or 'no optimizer section'!r}"
-        )
+        got = optimizer_type or "no optimizer section"
+        raise ConfigError(f"optimizer.type: tierstore stages Adam/AdamW state; got {got!r}")
     offload_param = zero.get("offload_param") or {}
     if offload_param.get("device") == "nvme" and offload.get("fast_init"):
         raise ConfigError(

@@ -50,7 +50,10 @@ class TierstoreSection(BaseModel):
         """The rank's store: no store-level cache (the stager holds the DRAM), default tier on
         ``nvme_path``."""
         tiers = self.tiers or [
-            TierConfig(name="nvme", backend={"type": "nvme", "path": str(Path(nvme_path) / "tierstore" / f"rank{rank}")})
+            TierConfig(
+                name="nvme",
+                backend={"type": "nvme", "path": str(Path(nvme_path) / "tierstore" / f"rank{rank}")},
+            )
         ]
         return StoreConfig(cache=CacheConfig(budget=ByteSize(0)), tiers=tiers, workers=self.workers)
 

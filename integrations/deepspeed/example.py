@@ -84,6 +84,7 @@ def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
     if args.offload == "tierstore":
         section: dict[str, Any] = {
             "dram_budget": args.buffer_count * 4 * args.sub_group_size,  # DeepSpeed's swap buffers
+            "prefetch_depth": args.prefetch_depth,
             "cache_policy": args.cache_policy,
             "order": args.order,
         }
@@ -96,14 +97,18 @@ def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
 def batch(args: argparse.Namespace, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of the step's global batch (the same for any rank count), drawn from a
     small fixed pool of sequences so that the loss visibly falls."""
-    pool = torch.randint(args.vocab, (16, args.length + 1), generator=torch.Generator().manual_seed(args.seed))
+    pool = torch.randint(
+        args.vocab, (16, args.length + 1), generator=torch.Generator().manual_seed(args.seed)
+    )
     rows = torch.arange(step * args.batch, (step + 1) * args.batch) % len(pool)
     share = pool[rows].chunk(world)[rank]
     return share[:, :-1], share[:, 1:]
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--offload", choices=["deepspeed", "tierstore"], required=True)
     parser.add_argument("--nvme", type=Path, required=True, help="offload_optimizer.nvme_path")
     parser.add_argument("--tiers", help="tierstore tiers as JSON (default: NVMe under --nvme)")
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--sub-group-size", type=int, default=8_000_000)
     parser.add_argument("--buffer-count", type=int, default=12, help="DeepSpeed's swap buffers (= DRAM)")
     parser.add_argument("--pipeline", action="store_true", help="DeepSpeed's pipelined swapper")
+    parser.add_argument("--prefetch-depth", type=int, default=2)
     parser.add_argument("--cache-policy", default="model", choices=["model", "static", "none"])
     parser.add_argument("--order", default="alternate", choices=["alternate", "ascending"])
     parser.add_argument("--seed", type=int, default=0)
@@ -128,11 +134,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--telemetry", type=Path, help="tierstore: each path's request history, per rank")
     args = parser.parse_args(argv)
 
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "WORLD_SIZE": "1"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29517",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     import deepspeed
-
     from tierstore.integrations.deepspeed import initialize
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -140,7 +150,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     model = GPT(args.vocab, args.width, args.layers, args.heads, args.length)
     start_initialize = deepspeed.initialize if args.offload == "deepspeed" else initialize
-    engine, *_ = start_initialize(model=model, model_parameters=model.parameters(), config=ds_config(args, world))
+    engine, *_ = start_initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(args, world)
+    )
     first = 0
     if args.load is not None:
         engine.load_checkpoint(str(args.load), tag="checkpoint")
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.save is not None and step + 1 == args.save_after:
             engine.save_checkpoint(str(args.save), tag="checkpoint")
     if args.json is not None and rank == 0:
-        parameters = sum(p.ds_numel for p in model.parameters())
+        parameters = sum(p.ds_numel for p in model.parameters())  # type: ignore[attr-defined]
         args.json.write_text(json.dumps({"parameters": parameters, "rows": rows}, indent=1))
     if args.telemetry is not None and args.offload == "tierstore":
         paths = [path for tier in tiers for path in tier.paths]

@@ -35,10 +35,10 @@ import deepspeed.runtime.zero.stage3 as stage3
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from tierstore.optimizer.staging import FP32, SubGroupStager
 
 from tierstore.buffers import AlignedBuffer
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError, UnsupportedVersionError
-from tierstore.optimizer.staging import FP32, SubGroupStager
 from tierstore.store import TierStore
 
 from .config import TierstoreSection, parse_section
@@ -130,10 +130,14 @@ class TierStoreSwapper:
         """Every sub-group goes through the store, so every one takes the low-precision path."""
         return True
 
-    def initialize_parameters(self, parameters: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor]) -> None:
+    def initialize_parameters(
+        self, parameters: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor]
+    ) -> None:
         for parameter, source in zip(parameters, src_tensors, strict=True):
             name = self._register(parameter, source.numel())
-            self.stager.write(name, source.numel(), lambda state, source=source: state.copy_(source.reshape(-1)))
+            self.stager.write(
+                name, source.numel(), lambda state, source=source: state.copy_(source.reshape(-1))
+            )
         self.stager.wait_writes()
 
     def initialize_from_swapped_fp16_params(self, *args: Any, **kwargs: Any) -> None:
@@ -142,7 +146,9 @@ class TierStoreSwapper:
             "are offloaded to NVMe; set it to false"
         )
 
-    def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: torch.Tensor | None = None) -> None:
+    def swap_in_optimizer_state(
+        self, parameter: torch.Tensor, async_parameter: torch.Tensor | None = None
+    ) -> None:
         """Point the master weights and the optimizer's state tensors into the staged buffer
         (read-ahead follows the pass order given to :meth:`begin_pass`, not ``async_parameter``)."""
         name = self._name(parameter)
@@ -198,7 +204,9 @@ class TierStoreSwapper:
     ) -> None:
         self.swap_out_optimizer_state(parameter)
 
-    def swap_out_gradients(self, parameter: torch.Tensor, gradient_offsets: Any, gradient_tensors: Any) -> None:
+    def swap_out_gradients(
+        self, parameter: torch.Tensor, gradient_offsets: Any, gradient_tensors: Any
+    ) -> None:
         raise RuntimeError("tierstore keeps gradients in low precision in memory; none is ever swapped out")
 
     def purge_state(self) -> None:
@@ -312,20 +320,24 @@ def _encode_scalars(entry: dict[str, Any], name: str) -> dict[str, Any]:
         elif isinstance(value, (bool, int, float)):
             encoded[key] = value
         elif not torch.is_tensor(value):
-            raise BufferMismatchError(f"sub-group {name}: optimizer state {key!r} ({type(value).__name__}) cannot be saved")
+            raise BufferMismatchError(
+                f"sub-group {name}: optimizer state {key!r} ({type(value).__name__}) cannot be saved"
+            )
     return encoded
 
 
 def _decode_scalars(encoded: dict[str, Any]) -> dict[str, Any]:
     return {
-        key: torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"])) if isinstance(value, dict) else value
+        key: torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+        if isinstance(value, dict)
+        else value
         for key, value in encoded.items()
     }
 
 
 def _read_exactly(file: str, target: torch.Tensor) -> None:
     with open(file, "rb") as source:
-        got = source.readinto(memoryview(target.numpy()).cast("B"))
+        got = source.readinto(target.numpy().data.cast("B"))
         if got != target.numel() * target.element_size() or source.read(1):
             raise BufferMismatchError(f"{file}: size does not match the sub-group's state")
 
@@ -377,7 +389,7 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
         scaled_global_grad_norm = None
-        if not self.overflow:
+        if not self.overflow:  # type: ignore[has-type]
             norm_groups = self._get_norm_groups()
             scaled_global_grad_norm = combine_grad_norm_groups(norm_groups)
             if is_invalid_grad_norm(scaled_global_grad_norm):

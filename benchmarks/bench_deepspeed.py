@@ -1,0 +1,132 @@
+"""Full DeepSpeed ZeRO-3 training iterations: DeepSpeed's own NVMe offload against tierstore's.
+
+Both sides train the integration's example GPT (``tierstore.integrations.deepspeed.example``) in
+their own process, with the same model, batch and DRAM budget (DeepSpeed's ``buffer_count`` x
+sub-group bytes; tierstore's ``dram_budget`` set to the same number), their optimizer state on the
+same disk directory. DeepSpeed uses its pipelined swapper (the faster of its two). The sides
+alternate, ``--repeats`` times each, and each figure is the median over the steady-state steps
+(every step after the first) of every repeat.
+
+    python benchmarks/bench_deepspeed.py --output benchmarks/results/deepspeed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import log, metadata, positive_int, run_benchmark
+
+PHASES = ("forward_s", "backward_s", "step_s", "iteration_s")
+
+
+def train(side: str, args: argparse.Namespace, directory: Path, repeat: int) -> list[dict[str, Any]]:
+    output = directory / f"{side}-{repeat}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "tierstore.integrations.deepspeed.example",
+        "--offload",
+        side,
+        "--nvme",
+        str(directory / f"{side}-{repeat}"),
+        "--steps",
+        str(args.steps),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--heads",
+        str(args.width // 64),
+        "--length",
+        str(args.length),
+        "--batch",
+        str(args.batch),
+        "--sub-group-size",
+        str(args.sub_group_size),
+        "--buffer-count",
+        str(args.buffer_count),
+        "--pipeline",
+        "--json",
+        str(output),
+    ]
+    child = subprocess.run(command, capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        raise RuntimeError(f"{side} run failed:\n{child.stdout[-3000:]}")
+    document = json.loads(output.read_text())
+    rows: list[dict[str, Any]] = document["rows"]
+    for row in rows:
+        log(f"  {side} step {row['step']}: " + ", ".join(f"{p} {row[p]:.2f}" for p in PHASES))
+    args.parameters = document["parameters"]
+    return rows
+
+
+def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    runs: dict[str, list[list[dict[str, Any]]]] = {"deepspeed": [], "tierstore": []}
+    for repeat in range(args.repeats):
+        sides = ["deepspeed", "tierstore"] if repeat % 2 == 0 else ["tierstore", "deepspeed"]
+        for side in sides:
+            log(f"{side}, repeat {repeat + 1}/{args.repeats} ...")
+            runs[side].append(train(side, args, directory, repeat))
+    medians = {
+        side: {
+            phase: statistics.median(row[phase] for rows in repeats for row in rows[1:]) for phase in PHASES
+        }
+        for side, repeats in runs.items()
+    }
+    speedups = {
+        phase: round(medians["deepspeed"][phase] / medians["tierstore"][phase], 3) for phase in PHASES
+    }
+    return {
+        "benchmark": "deepspeed_training_iteration",
+        "metadata": {
+            **metadata(
+                directory,
+                parameters=args.parameters,
+                fp32_state_bytes=12 * args.parameters,
+                dram_budget_bytes=args.buffer_count * 4 * args.sub_group_size,
+                layers=args.layers,
+                width=args.width,
+                tokens_per_step=args.batch * args.length,
+                sub_group_size=args.sub_group_size,
+                steps=args.steps,
+                repeats=args.repeats,
+            ),
+            "elapsed_s": round(time.perf_counter() - started, 1),
+        },
+        "runs": runs,
+        "summary": {
+            "median_s": {
+                side: {p: round(v, 3) for p, v in phases.items()} for side, phases in medians.items()
+            },
+            "speedup_vs_deepspeed": speedups,
+            "targets": {"iteration_s": ">= 2.5", "backward_s": ">= 5"},
+        },
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--width", type=positive_int, default=1024)
+    parser.add_argument("--length", type=positive_int, default=32)
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--sub-group-size", type=positive_int, default=8_000_000)
+    parser.add_argument("--buffer-count", type=positive_int, default=12, help="DeepSpeed's minimum with Adam")
+    parser.add_argument("--steps", type=positive_int, default=6)
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    args = parser.parse_args()
+    return run_benchmark(run, args, prefix="deepspeed-", needs_fio=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
