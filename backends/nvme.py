@@ -5,7 +5,14 @@ no padding (the file size *is* the object size), so any tool can read an object 
 needs aligned offsets and lengths, so a write whose end is not block-aligned writes its last
 block padded (after reading back the block's existing bytes if the object extends past it) and
 then truncates the file to the true size. Files and the directory are created owner-only.
-Dot-files (``.tierstore-probe-*``) are transient and never objects.
+Dot-files (``.tierstore-probe-*``, ``.spare-*``) are never objects.
+
+**Recycling.** With O_DIRECT, a deleted file is renamed aside (up to ``recycle`` of them) instead
+of unlinked, and the next new object of exactly its size is written into it. A store writes every
+version of an object under a new name and deletes the old one, so an optimizer that rewrites its
+state each step would otherwise make ext4 allocate fresh blocks, and convert them from unwritten
+to written, on every write; overwriting blocks already written skips both. Spares are unlinked at
+``close()``.
 
 **I/O engine.** A thread pool of ``queue_depth`` workers issues ``os.preadv``/``os.pwritev``
 (which release the GIL) in ``chunk_bytes`` pieces; O_DIRECT needs several requests in flight to
@@ -21,6 +28,7 @@ systems), ``direct=None`` (the default) falls back to buffered I/O with a warnin
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 import warnings
@@ -52,6 +60,9 @@ class NvmeOptions(BackendOptions):
     """O_DIRECT: None = where the file system accepts it, True = required, False = never."""
     sync: bool = False
     """fdatasync each object write before its future resolves (durable, slower)."""
+    recycle: int = Field(16, ge=0, le=4096)
+    """Deleted files kept aside for new objects of the same size to overwrite (O_DIRECT only);
+    0 unlinks at once. Bounds the extra disk space to this many deleted objects."""
 
 
 class NvmeBackend(Backend):
@@ -76,6 +87,9 @@ class NvmeBackend(Backend):
         self._pool = ThreadPoolExecutor(options.queue_depth, thread_name_prefix="tierstore-nvme")
         self._bounce: list[AlignedBuffer] = []
         self._bounce_lock = threading.Lock()
+        self._spares: dict[int, list[Path]] = {}  # size -> files renamed aside by delete
+        self._spare_names = itertools.count()
+        self._spare_lock = threading.Lock()
 
     @property
     def capabilities(self) -> Capabilities:
@@ -120,9 +134,11 @@ class NvmeBackend(Backend):
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
         path = self.root / name
+        end = offset + data.nbytes
+        if offset == 0:
+            self._adopt_spare(path, end)
         fd = self._open(path, os.O_RDWR | os.O_CREAT)  # RDWR: a partial last block is read back
         size_before = os.fstat(fd).st_size
-        end = offset + data.nbytes
         if self.direct and end > size_before:
             self._preallocate(fd, path, size_before, end)
         tasks = [
@@ -152,6 +168,18 @@ class NvmeBackend(Backend):
             for start, stop in self._chunks(out.nbytes)
         ]
         return when_all(tasks, lambda: os.close(fd))
+
+    def _adopt_spare(self, path: Path, size: int) -> None:
+        """Give a new object of ``size`` bytes the blocks of a deleted one of the same size."""
+        with self._spare_lock:
+            spares = self._spares.get(size)
+            if not spares or path.exists():
+                return
+            spare = spares.pop()
+            try:
+                os.rename(spare, path)
+            except OSError:  # gone behind our back: write a fresh file instead
+                spare.unlink(missing_ok=True)
 
     def _preallocate(self, fd: int, path: Path, start: int, end: int) -> None:
         """Allocate the blocks a growing write will fill, so the write does not extend the file.
@@ -242,8 +270,17 @@ class NvmeBackend(Backend):
 
     # -- metadata ---------------------------------------------------------------------------------
     def _delete(self, name: str) -> None:
+        path = self.root / name
         try:
-            os.unlink(self.root / name)
+            if self.direct and self.options.recycle:
+                size = os.stat(path).st_size
+                with self._spare_lock:
+                    if sum(map(len, self._spares.values())) < self.options.recycle:
+                        spare = self.root / f".spare-{next(self._spare_names)}"
+                        os.rename(path, spare)
+                        self._spares.setdefault(size, []).append(spare)
+                        return
+            os.unlink(path)
         except FileNotFoundError:
             raise KeyNotFoundError(f"nvme: no object {name!r} in {self.root}") from None
 
@@ -261,6 +298,10 @@ class NvmeBackend(Backend):
 
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
+        with self._spare_lock:
+            for spare in itertools.chain.from_iterable(self._spares.values()):
+                spare.unlink(missing_ok=True)
+            self._spares.clear()
         with self._bounce_lock:
             for buffer in self._bounce:
                 buffer.free()

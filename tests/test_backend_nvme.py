@@ -94,3 +94,27 @@ def test_unwritable_path(tmp_path: Path) -> None:
 def test_bad_options_name_the_field(tmp_path: Path, options: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         open_backend({"type": "nvme", "path": tmp_path, **options})
+
+
+def test_deleted_files_are_recycled_for_objects_of_the_same_size(tmp_path: Path) -> None:
+    old, new, other = bytes(range(256)) * 40, bytes(reversed(range(256))) * 40, b"x" * 5000
+    with open_backend({"type": "nvme", "path": tmp_path, "recycle": 1}) as backend:
+        assert isinstance(backend, NvmeBackend)
+        backend.write("v1", 0, old).result()
+        blocks = os.stat(tmp_path / "v1").st_ino
+        backend.delete("v1")
+        assert backend.list() == [] and not backend.exists("v1")
+        backend.write("v2", 0, new).result()  # same size: written into v1's blocks
+        assert os.stat(tmp_path / "v2").st_ino == blocks
+        out = bytearray(len(new))
+        backend.read_into("v2", 0, out).result()
+        assert bytes(out) == new
+        backend.write("w", 0, other).result()
+        backend.delete("v2")
+        backend.delete("w")  # the spare slot is taken: unlinked at once
+        assert sorted(p.name.startswith(".spare") for p in tmp_path.iterdir()) == [True]
+        backend.write("v3", 0, other).result()  # no spare of this size: a fresh file
+        out = bytearray(len(other))
+        backend.read_into("v3", 0, out).result()
+        assert bytes(out) == other
+    assert [p.name for p in tmp_path.iterdir()] == ["v3"]  # close() removed the spare

@@ -80,14 +80,25 @@ class FailingDram(DramBackend):
         raise BackendIOError(5, "path failed")
 
 
-def test_a_failing_path_leaves_no_extent_behind() -> None:
+def test_a_failing_path_is_excluded_and_the_others_keep_serving() -> None:
     good = TierPath("good", DramBackend(DramOptions()))
     bad = TierPath("bad", FailingDram(DramOptions()))
     with TierStore([Tier("v", [good, bad])], cache_budget=0) as store:
+        data = torch.arange(1 << 18, dtype=torch.int32)
+        store["x"] = data  # the half-written extent on "bad" is deleted, the object rewritten on "good"
+        assert [extent["path"] for extent in store.info("x").extents] == ["good"]
+        assert bad.backend.list() == [] and store.tiers[0].failed_paths == {1}
+        store["y"] = data  # new objects avoid the failed path from the start
+        assert torch.equal(store["x"], data) and torch.equal(store["y"], data)
+
+
+def test_when_every_path_fails_nothing_is_left_behind() -> None:
+    bad = [TierPath(f"bad{i}", FailingDram(DramOptions())) for i in range(2)]
+    with TierStore([Tier("v", bad)], cache_budget=0) as store:
         with pytest.raises(BackendIOError, match="path failed"):
             store["x"] = torch.zeros(1 << 20, dtype=torch.uint8)
         assert "x" not in store
-        assert good.backend.list() == [] and bad.backend.list() == []
+        assert all(path.backend.list() == [] for path in bad)
         assert store.tiers[0].used_bytes == 0
 
 
@@ -143,8 +154,7 @@ def test_probe_results_are_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_tier_priorities_reach_the_paths() -> None:
     path = dram_path("p", 1e9, 1e9)
     tier = Tier("v", [path])
-    placement, future = tier.write("obj", memoryview(bytes(4096)), Priority.BACKGROUND)
-    future.result()
+    placement = tier.write("obj", memoryview(bytes(4096)), Priority.BACKGROUND).result()
     tier.read_into(placement, memoryview(bytearray(4096)), Priority.CRITICAL).result()
     assert path.scheduler.telemetry.requests == 2
     tier.close()

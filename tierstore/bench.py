@@ -64,8 +64,8 @@ class Timeline:
         return series
 
 
-def _pipeline(starts: Iterable[Callable[[], Future[None]]], depth: int, progress: Progress | None) -> None:
-    in_flight: deque[Future[None]] = deque()
+def _pipeline(starts: Iterable[Callable[[], Future[Any]]], depth: int, progress: Progress | None) -> None:
+    in_flight: deque[Future[Any]] = deque()
     for start in starts:
         if len(in_flight) >= depth:
             in_flight.popleft().result()
@@ -126,19 +126,17 @@ def measure_tier(
     object's write time. ``between(index)`` runs before object ``index`` is written (to change
     conditions mid-run, e.g. slow a path down); ``between_phases`` after all the writes."""
     source, target = _buffers(nbytes)
-    placements: list[Placement] = []
+    writes: list[Future[Placement]] = []
     object_seconds: dict[int, float] = {}
 
-    def write(index: int) -> Future[None]:
+    def write(index: int) -> Future[Placement]:
         if between is not None:
             between(index)
         tier.reserve(nbytes)
-        placement, future = tier.write(
-            f"tierstore-bench-{index}", source.memoryview(nbytes), Priority.CRITICAL
-        )
-        placements.append(placement)
+        future = tier.write(f"tierstore-bench-{index}", source.memoryview(nbytes), Priority.CRITICAL)
         begun = time.perf_counter()
         future.add_done_callback(lambda _: object_seconds.__setitem__(index, time.perf_counter() - begun))
+        writes.append(future)
         return future
 
     try:
@@ -150,13 +148,14 @@ def measure_tier(
         started = time.perf_counter()
         target_view = target.memoryview(nbytes)
         reads = (
-            partial(tier.read_into, placement, target_view, Priority.CRITICAL) for placement in placements
+            partial(tier.read_into, write.result(), target_view, Priority.CRITICAL) for write in writes
         )
         _pipeline(reads, depth, progress)
         read_seconds = time.perf_counter() - started
     finally:
-        for placement in placements:
-            tier.discard(placement)
+        for write in writes:
+            if write.done() and write.exception() is None:
+                tier.discard(write.result())
     figures = _figures(nbytes * count, write_seconds, read_seconds)
     figures["object_write_seconds"] = [round(object_seconds[i], 5) for i in sorted(object_seconds)]
     return figures
@@ -174,11 +173,8 @@ def measure_round_trips(
             between(index)
         tier.reserve(nbytes)
         started = time.perf_counter()
-        placement, future = tier.write(
-            f"tierstore-trip-{index}", source.memoryview(nbytes), Priority.CRITICAL
-        )
+        placement = tier.write(f"tierstore-trip-{index}", source.memoryview(nbytes), Priority.CRITICAL).result()
         try:
-            future.result()
             tier.read_into(placement, target.memoryview(nbytes), Priority.CRITICAL).result()
         finally:
             tier.discard(placement)

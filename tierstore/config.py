@@ -130,6 +130,11 @@ class StoreConfig(_Strict):
     tiers: list[TierConfig] = Field(min_length=1)
     workers: int = Field(4, ge=1, le=256)
     """Threads that run put/get/prefetch (device I/O has its own threads in each backend)."""
+    manifest: Path | None = None
+    """Directory of the store's manifest: the store is persistent (reopening finds its objects).
+    Without it the store is scratch space, deleted at close."""
+    verify: Literal["always", "sampled", "off"] = "always"
+    """Check extent checksums on read: every read, one in 16, or never (then none are computed)."""
 
     @field_validator("tiers")
     @classmethod

@@ -67,3 +67,11 @@ def config_error_from_validation(error: Exception, where: str) -> ConfigError:
 
 class UnsupportedVersionError(TierStoreError, RuntimeError):
     """An integration's host library (e.g. DeepSpeed) is a version tierstore does not support."""
+
+
+class ChecksumError(BackendIOError):
+    """Bytes read back from a tier do not match the checksum recorded when they were written."""
+
+
+class StoreLockedError(TierStoreError, RuntimeError):
+    """The persistent store's manifest is already open in another process (or store object)."""

@@ -10,11 +10,19 @@ Contract in brief (details on each method):
   (or, if larger than the whole cache, written straight to a tier from the tensor's memory).
 * Metadata commits only after the data it points to is complete, so a failed put leaves the
   previous version (or no object) visible, never a torn one.
+* Every extent written carries an xxHash3 checksum, verified on read (``verify``: ``always``,
+  ``sampled`` = one read in 16, or ``off``); a mismatch raises :class:`ChecksumError` naming the
+  key, the path and the backend object.
 * The cache's buffers never exceed the byte budget: making room waits for write-back of dirty
   entries instead of growing.
 
-Until the durability work adds a manifest, a store is scratch space: ``close`` deletes the objects
-it wrote to its tiers.
+Without ``manifest`` a store is scratch space: ``close`` deletes the objects it wrote. With a
+``manifest`` directory (:mod:`tierstore.manifest`) it is persistent: each version that reaches a
+tier is journaled (fsynced) before the previous one is deleted, reopening the same config finds
+every committed object, a crash leaves each key at its old or its new version, and garbage from
+interrupted writes is deleted at the next open. Objects still only in the write-back cache are not
+durable until written back (``flush()``, eviction, ``close()``); ``policy="write-through"`` makes
+every put durable when its future resolves.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -42,16 +51,21 @@ from .errors import (
     BackendIOError,
     BufferMismatchError,
     CapacityError,
+    ChecksumError,
+    ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
     StoreClosedError,
 )
 from .limits import Priority
+from .manifest import Manifest
 from .tier import Placement, Tier
 
 MAX_KEY_LENGTH = 1024
 _log = logging.getLogger("tierstore")
 Policy = Literal["write-back", "write-through"]
+Verify = Literal["always", "sampled", "off"]
+SAMPLE_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,8 @@ class _Record:
     nbytes: int
     entry: CacheEntry | None = None
     persisted: Placement | None = None
+    journaled: Placement | None = None
+    """Persistent stores: the version the manifest names while a newer one is only cached."""
 
 
 class TierStore:
@@ -95,14 +111,22 @@ class TierStore:
         policy: Policy = "write-back",
         cache_reads: bool = True,
         workers: int = 4,
+        manifest: str | os.PathLike[str] | None = None,
+        verify: Verify = "always",
     ) -> None:
         if not tiers:
             raise CapacityError("a TierStore needs at least one persistent tier")
         if policy not in ("write-back", "write-through"):
             raise InvalidKeyError(f"policy must be 'write-back' or 'write-through', not {policy!r}")
+        if verify not in ("always", "sampled", "off"):
+            raise ConfigError(f"verify must be 'always', 'sampled' or 'off', not {verify!r}")
         self.tiers = [
             tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
+        for tier in self.tiers:
+            tier.checksums = verify != "off"
+        self.verify = verify
+        self._reads = itertools.count()
         self.policy = policy
         self.cache_reads = cache_reads
         self._pool = BufferPool(cache_budget)
@@ -110,12 +134,21 @@ class TierStore:
         self._records: dict[str, _Record] = {}
         self._cond = threading.Condition()  # guards _records, _cache, entries, counters
         self._serial = KeyedSerializer(workers, "tierstore")
-        token = secrets.token_hex(4)  # tier objects of concurrent stores in one directory never clash
-        self._names = (f"{token}-{n:x}" for n in itertools.count())
         self._writebacks: set[CacheEntry] = set()
         self._stats = {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
         self._peak_cache_bytes = 0
         self._closed = False
+        self._manifest = None if manifest is None else Manifest(manifest)
+        # Tier objects of concurrent stores in one directory never clash; a persistent store's
+        # prefix is journaled first, so an interrupted write's object is recognised as garbage.
+        token = secrets.token_hex(4) if self._manifest is None else self._manifest.token
+        self._names = (f"{token}-{n:x}" for n in itertools.count())
+        if self._manifest is not None:
+            try:
+                self._reopen(self._manifest)
+            except BaseException:
+                self._manifest.close()
+                raise
 
     @classmethod
     def from_config(cls, config: ConfigSource | None = None) -> TierStore:
@@ -129,13 +162,20 @@ class TierStore:
             for opened in tiers:
                 opened.close()
             raise
-        return cls(
-            tiers,
-            cache_budget=settings.cache.budget,
-            policy=settings.cache.policy,
-            cache_reads=settings.cache.cache_reads,
-            workers=settings.workers,
-        )
+        try:
+            return cls(
+                tiers,
+                cache_budget=settings.cache.budget,
+                policy=settings.cache.policy,
+                cache_reads=settings.cache.cache_reads,
+                workers=settings.workers,
+                manifest=settings.manifest,
+                verify=settings.verify,
+            )
+        except BaseException:
+            for opened in tiers:
+                opened.close()
+            raise
 
     # -- public API: asynchronous ----------------------------------------------------------------
     def put(self, key: str, tensor: torch.Tensor, *, cache: bool = True) -> Future[None]:
@@ -253,9 +293,13 @@ class TierStore:
         return stats
 
     def close(self) -> None:
-        """Finish issued operations, delete this store's tier objects, release all memory."""
+        """Finish issued operations and release all memory. A scratch store deletes its tier
+        objects; a persistent one writes back dirty objects and compacts its manifest instead."""
         if self._closed:
             return
+        if self._manifest is not None:
+            self._serial.drain()
+            self.flush()
         self._closed = True
         self._serial.shutdown()
         with self._cond:
@@ -265,8 +309,12 @@ class TierStore:
                 self._cache.detach(entry)
                 self._pool.release(entry.buffer)
             self._records.clear()
-        for placement in placements:
-            placement.tier.discard(placement)
+        if self._manifest is None:
+            for placement in placements:
+                placement.tier.discard(placement)
+        else:
+            self._manifest.compact({p.name.split("-")[0] for p in placements})
+            self._manifest.close()
         self._pool.clear()
         for tier in self.tiers:
             tier.close()
@@ -333,7 +381,7 @@ class TierStore:
         if entry is None and cache and self.cache_reads and self._pool.fits(record.nbytes):
             entry = self._load(key, record, Priority.CRITICAL, pinned=True)
         if entry is None:  # not cached and not to be cached: read straight into the destination
-            return self._read_direct(record, out)
+            return self._read_direct(key, record, out)
         try:
             destination = torch.empty(record.shape, dtype=record.dtype) if out is None else out
             destination.copy_(entry.typed(record.dtype, record.shape))
@@ -360,8 +408,11 @@ class TierStore:
             del self._records[key]
             if record.entry is not None:
                 self._detach(record.entry)
-        if record.persisted is not None:
-            record.persisted.tier.discard(record.persisted)
+        if self._manifest is not None and key in self._manifest.entries:
+            self._manifest.remove(key)
+        for placement in {record.persisted, record.journaled} - {None}:
+            assert placement is not None
+            placement.tier.discard(placement)
 
     # -- cache mechanics --------------------------------------------------------------------------
     def _load(self, key: str, record: _Record, priority: Priority, *, pinned: bool) -> CacheEntry:
@@ -370,7 +421,7 @@ class TierStore:
         assert placement is not None
         buffer = self._acquire(record.nbytes)
         try:
-            placement.tier.read_into(placement, buffer.memoryview(record.nbytes), priority).result()
+            self._read(key, placement, buffer.memoryview(record.nbytes), priority)
         except BaseException:
             self._pool.release(buffer)
             raise
@@ -421,11 +472,15 @@ class TierStore:
     def _write_back(self, entry: CacheEntry) -> None:
         """Write a marked cache entry to a tier, outside the lock; completes asynchronously."""
         try:
-            placement, future = self._start_write(entry.buffer.memoryview(entry.nbytes), Priority.BACKGROUND)
+            future = self._start_write(entry.buffer.memoryview(entry.nbytes), Priority.BACKGROUND)
         except BaseException as error:
             self._finish_write_back(entry, None, error)
             return
-        future.add_done_callback(lambda done: self._finish_write_back(entry, placement, done.exception()))
+        future.add_done_callback(
+            lambda done: self._finish_write_back(
+                entry, None if done.exception() else done.result(), done.exception()
+            )
+        )
 
     def _finish_write_back(
         self,
@@ -435,60 +490,96 @@ class TierStore:
     ) -> None:
         garbage: list[Placement] = []
         with self._cond:
+            record = self._records.get(entry.key)
+            current = error is None and record is not None and record.entry is entry
+        if current:
+            assert record is not None and placement is not None
+            try:
+                self._journal(entry.key, record, placement)
+            except BaseException as journal_error:
+                error, current = journal_error, False
+                garbage.append(placement)
+        elif placement is not None:  # replaced or deleted while writing: stale copy
+            garbage.append(placement)
+        with self._cond:
             entry.writing = False
             self._writebacks.discard(entry)
             if error is not None:
                 entry.writeback_error = error
-                if placement is not None:
-                    garbage.append(placement)
             else:
                 self._stats["writebacks"] += 1
-                record = self._records.get(entry.key)
-                if record is not None and record.entry is entry:
-                    if record.persisted is not None:
-                        garbage.append(record.persisted)
-                    record.persisted = placement
-                    entry.dirty = False
-                elif placement is not None:  # replaced or deleted while writing: stale copy
-                    garbage.append(placement)
+            if current:
+                assert record is not None
+                garbage.extend(p for p in (record.persisted, record.journaled) if p is not None)
+                record.persisted, record.journaled = placement, None
+                entry.dirty = False
             self._release_if_unused(entry)
             self._cond.notify_all()
         for stale in garbage:
             stale.tier.discard(stale)
 
-    def _start_write(self, data: memoryview, priority: Priority) -> tuple[Placement, Future[None]]:
-        """Start writing a new object version to the first tier with room."""
-        for tier in self.tiers:
-            if tier.reserve(data.nbytes):
+    def _start_write(self, data: memoryview, priority: Priority) -> Future[Placement]:
+        """Write a new object version to the first tier with room; a tier that fails with an I/O
+        error (e.g. ENOSPC) hands the object on to the next one."""
+        result: Future[Placement] = Future()
+        name = next(self._names)
+
+        def attempt(start: int, error: BaseException | None) -> None:
+            for index in range(start, len(self.tiers)):
+                tier = self.tiers[index]
+                if not tier.reserve(data.nbytes):
+                    continue
                 try:
-                    return tier.write(next(self._names), data, priority)
-                except BaseException:
+                    future = tier.write(name, data, priority)
+                except BaseException as failure:
                     tier.release(data.nbytes)
-                    raise
-        raise CapacityError(f"no tier has room for an object of {data.nbytes} bytes")
+                    result.set_exception(failure)
+                    return
+
+                def done(finished: Future[Placement], index: int = index) -> None:
+                    failure = finished.exception()
+                    if failure is None:
+                        result.set_result(finished.result())
+                    elif isinstance(failure, OSError):
+                        attempt(index + 1, failure)
+                    else:
+                        result.set_exception(failure)
+
+                future.add_done_callback(done)
+                return
+            result.set_exception(
+                error or CapacityError(f"no tier has room for an object of {data.nbytes} bytes")
+            )
+
+        attempt(0, None)
+        return result
 
     def _write_to_tier(self, data: memoryview, priority: Priority) -> Placement:
-        placement, future = self._start_write(data, priority)
-        try:
-            future.result()
-        except BaseException:
-            placement.tier.discard(placement)
-            raise
-        return placement
+        return self._start_write(data, priority).result()
 
-    def _read_direct(self, record: _Record, out: torch.Tensor | None) -> torch.Tensor:
+    def _read(self, key: str, placement: Placement, out: memoryview, priority: Priority) -> None:
+        verify = self.verify == "always" or (self.verify == "sampled" and next(self._reads) % SAMPLE_EVERY == 0)
+        try:
+            placement.tier.read_into(placement, out, priority, verify=verify).result()
+        except ChecksumError as error:
+            raise ChecksumError(f"key {key!r}: {error}") from None
+
+    def _read_direct(self, key: str, record: _Record, out: torch.Tensor | None) -> torch.Tensor:
         assert record.persisted is not None
         direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
         destination = out if direct else torch.empty(record.shape, dtype=record.dtype)
         assert destination is not None
-        record.persisted.tier.read_into(record.persisted, _bytes_of(destination), Priority.CRITICAL).result()
+        self._read(key, record.persisted, _bytes_of(destination), Priority.CRITICAL)
         if out is not None and not direct:
             out.copy_(destination)
             return out
         return destination
 
     def _commit(self, key: str, record: _Record) -> None:
-        """Make ``record`` the current version of ``key``; drop the previous one."""
+        """Make ``record`` the current version of ``key``; drop the previous one (a persistent
+        store keeps the journaled version until a newer one is journaled)."""
+        if record.persisted is not None:
+            self._journal(key, record, record.persisted)
         entry = record.entry
         with self._cond:
             previous = self._records.get(key)
@@ -497,8 +588,54 @@ class TierStore:
                 self._cache.insert(entry)
             if previous is not None and previous.entry is not None:
                 self._detach(previous.entry)
-        if previous is not None and previous.persisted is not None:
-            previous.persisted.tier.discard(previous.persisted)
+        if previous is None:
+            return
+        keep = previous.journaled or previous.persisted
+        if self._manifest is not None and record.persisted is None and keep is not None:
+            record.journaled = keep
+        garbage = {previous.persisted, previous.journaled} - {None, record.journaled}
+        for placement in garbage:
+            assert placement is not None
+            placement.tier.discard(placement)
+
+    def _journal(self, key: str, record: _Record, placement: Placement) -> None:
+        if self._manifest is None:
+            return
+        self._manifest.commit(
+            key,
+            {
+                "shape": list(record.shape),
+                "dtype": str(record.dtype).removeprefix("torch."),
+                "nbytes": record.nbytes,
+                "tier": placement.tier.name,
+                "name": placement.name,
+                "extents": placement.describe(),
+            },
+        )
+
+    def _reopen(self, manifest: Manifest) -> None:
+        """Load the manifest's records; delete tier objects an interrupted write left behind."""
+        tiers = {tier.name: tier for tier in self.tiers}
+        for key, entry in manifest.entries.items():
+            tier = tiers.get(entry["tier"])
+            if tier is None:
+                raise ConfigError(
+                    f"manifest {manifest.directory}: key {key!r} lives on tier {entry['tier']!r}, which the "
+                    f"config does not have (tiers: {', '.join(tiers)})"
+                )
+            dtype = getattr(torch, entry["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(f"manifest {manifest.directory}: key {key!r} has unknown dtype {entry['dtype']!r}")
+            placement = tier.placement_from(entry["name"], int(entry["nbytes"]), entry["extents"])
+            if not tier.reserve(placement.nbytes):
+                raise CapacityError(f"tier {tier.name!r} is too small for the objects its manifest lists")
+            self._records[key] = _Record(tuple(entry["shape"]), dtype, int(entry["nbytes"]), persisted=placement)
+        referenced = {entry["name"] for entry in manifest.entries.values()}
+        for tier in self.tiers:
+            for path in tier.paths:
+                for name in path.backend.list():
+                    if name.split("-")[0] in manifest.tokens and name not in referenced:
+                        path.backend.delete(name)
 
     def _detach(self, entry: CacheEntry) -> None:
         record = self._records.get(entry.key)
@@ -536,9 +673,19 @@ class TierStore:
 
 
 def _check_key(key: object) -> None:
-    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
+    """Keys never become file names (backend names are generated), but they travel into manifests
+    and snapshots, so anything path-like that could escape a root is refused anyway."""
+    if (
+        not isinstance(key, str)
+        or not key
+        or len(key) > MAX_KEY_LENGTH
+        or any(ord(c) < 32 for c in key)
+        or key.startswith("/")
+        or ".." in key.split("/")
+    ):
         raise InvalidKeyError(
-            f"keys are non-empty strings of at most {MAX_KEY_LENGTH} characters without NUL; got {key!r}"
+            f"keys are non-empty strings of at most {MAX_KEY_LENGTH} characters, without control "
+            f"characters, a leading '/' or a '..' segment; got {key!r}"
         )
 
 

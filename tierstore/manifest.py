@@ -1,0 +1,150 @@
+"""The catalogue of a persistent store: which key is which object, where, with which checksums.
+
+A manifest is a directory holding
+
+* ``manifest.json``: a full snapshot of the catalogue (written to a temporary file, fsynced,
+  renamed over the old one, directory fsynced: it is either the old or the new snapshot);
+* ``journal.jsonl``: one JSON line per change since that snapshot, each appended and fsynced
+  before the change is acknowledged. A crash can tear only the last line, which replay ignores;
+* ``lock``: an exclusive ``filelock`` held while a store has the manifest open, so a second
+  process gets :class:`~tierstore.errors.StoreLockedError` instead of a silently forked catalogue.
+
+Plain JSON only (never pickle); files and the directory are owner-only. A put commits by writing
+its data under a fresh backend name first and journaling the new entry after, so a crash at any
+moment leaves either the old entry (the new data is unreferenced garbage, collected at the next
+open) or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from .errors import BackendIOError, StoreLockedError
+
+FORMAT = 1
+COMPACT_AFTER = 10_000
+"""Journal lines after which the next :meth:`Manifest.compact` is due."""
+
+
+class Manifest:
+    """The on-disk catalogue: ``entries`` (key -> JSON entry) plus the backend-name prefixes
+    (``tokens``) this store has ever written under, so garbage from torn puts can be found."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as error:
+            raise BackendIOError(error.errno, f"manifest: cannot create {self.directory}: {error.strerror}") from error
+        self._mutex = threading.Lock()  # journal appends come from several threads
+        self._lock = FileLock(self.directory / "lock", is_singleton=False)
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            raise StoreLockedError(f"manifest {self.directory} is open in another process or store") from None
+        try:
+            self.entries, self.tokens = self._replay()
+            self.token = secrets.token_hex(4)
+            self._journal = open(self.directory / "journal.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            self._lines = sum(1 for _ in self._journal_lines())
+            self._append({"op": "token", "token": self.token})
+            self.tokens.add(self.token)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    # -- changes --------------------------------------------------------------------------------
+    def commit(self, key: str, entry: Mapping[str, Any]) -> None:
+        """Durably make ``entry`` the current version of ``key``."""
+        with self._mutex:
+            self._append({"op": "put", "key": key, "entry": dict(entry)})
+            self.entries[key] = dict(entry)
+
+    def remove(self, key: str) -> None:
+        with self._mutex:
+            self._append({"op": "delete", "key": key})
+            self.entries.pop(key, None)
+
+    @property
+    def compaction_due(self) -> bool:
+        return self._lines >= COMPACT_AFTER
+
+    def compact(self, live_tokens: set[str]) -> None:
+        """Fold the journal into a new snapshot; forget tokens no live object uses."""
+        with self._mutex:
+            self._compact(live_tokens)
+
+    def _compact(self, live_tokens: set[str]) -> None:
+        self.tokens = {*live_tokens, self.token}
+        snapshot = {"format": FORMAT, "tokens": sorted(self.tokens), "entries": self.entries}
+        temporary = self.directory / "manifest.json.tmp"
+        with open(temporary, "w", encoding="utf-8") as out:
+            json.dump(snapshot, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, 0o600)
+        os.replace(temporary, self.directory / "manifest.json")
+        _fsync_directory(self.directory)
+        self._journal.close()
+        self._journal = open(self.directory / "journal.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+        self._lines = 0
+
+    def close(self) -> None:
+        if self._journal.closed:
+            return
+        self._journal.close()
+        self._lock.release()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _append(self, record: Mapping[str, Any]) -> None:
+        self._journal.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._journal.flush()
+        os.fdatasync(self._journal.fileno())
+        self._lines += 1
+
+    def _replay(self) -> tuple[dict[str, dict[str, Any]], set[str]]:
+        entries: dict[str, dict[str, Any]] = {}
+        tokens: set[str] = set()
+        snapshot_path = self.directory / "manifest.json"
+        if snapshot_path.exists():
+            snapshot = json.loads(snapshot_path.read_text(encoding="utf-8"))
+            if snapshot.get("format") != FORMAT:
+                raise BackendIOError(f"manifest {snapshot_path}: unknown format {snapshot.get('format')!r}")
+            entries = snapshot["entries"]
+            tokens = set(snapshot["tokens"])
+        for record in self._journal_lines():
+            if record["op"] == "put":
+                entries[record["key"]] = record["entry"]
+            elif record["op"] == "delete":
+                entries.pop(record["key"], None)
+            elif record["op"] == "token":
+                tokens.add(record["token"])
+        return entries, tokens
+
+    def _journal_lines(self) -> Iterator[dict[str, Any]]:
+        path = self.directory / "journal.jsonl"
+        if not path.exists():
+            return
+        with open(path, encoding="utf-8") as journal:
+            for line in journal:
+                if not line.endswith("\n"):
+                    return  # the torn tail of a crashed append: never acknowledged
+                yield json.loads(line)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
