@@ -137,7 +137,12 @@ class NvmeBackend(Backend):
         end = offset + data.nbytes
         if offset == 0:
             self._adopt_spare(path, end)
-        fd = self._open(path, os.O_RDWR | os.O_CREAT)  # RDWR: a partial last block is read back
+        try:
+            fd = self._open(path, os.O_RDWR | os.O_CREAT)  # RDWR: a partial last block is read back
+        except KeyNotFoundError:  # O_CREAT failing with ENOENT: the directory itself is gone
+            raise BackendIOError(
+                errno.ENOENT, f"nvme: cannot create {path}: {self.root} has vanished"
+            ) from None
         size_before = os.fstat(fd).st_size
         if self.direct and end > size_before:
             self._preallocate(fd, path, size_before, end)

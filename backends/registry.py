@@ -26,6 +26,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "zarr": "tierstore.backends.zarr:ZarrBackend",
     "adios2": "tierstore.backends.adios2:Adios2Backend",
     "throttle": "tierstore.backends.throttle:ThrottleBackend",
+    "fault": "tierstore.backends.fault:FaultBackend",
 }
 """Registry name -> ``module:Class`` of the backends shipped with tierstore."""
 

@@ -21,6 +21,7 @@ master | exp_avg | exp_avg_sq). A step:
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 
 from ..buffers import AlignedBuffer
 from ..errors import BufferMismatchError, ConfigError
+from ..snapshot import export_hdf5, import_hdf5
 from ..store import TierStore
 from .partition import SubGroup, partition
 from .staging import FP32, CachePolicy, SubGroupStager
@@ -154,6 +156,36 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     )
         self.stager.drop_resident()
         self._write_all(state)
+
+    def save_snapshot(self, path: str | os.PathLike[str]) -> None:
+        """Checkpoint the fp32 state (sub-groups kept in DRAM included) and step counts into one
+        portable HDF5 file (:func:`tierstore.export_hdf5`), without gathering it in memory."""
+        self.stager.flush()
+        metadata = {
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "subgroups": [sg.numel for sg in self.subgroups],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
+        export_hdf5(self.store, path, [self.stager.key(sg.index) for sg in self.subgroups], metadata)
+
+    def load_snapshot(self, path: str | os.PathLike[str]) -> None:
+        """Restore a :meth:`save_snapshot` (same parameters and ``sub_group_size``, same namespace)."""
+        self.stager.drop_resident()
+        metadata = import_hdf5(path, self.store)
+        if metadata.get("subgroups") != [sg.numel for sg in self.subgroups]:
+            raise BufferMismatchError(f"{path}: its sub-groups differ from this optimizer's")
+        for group, saved in zip(self.param_groups, metadata["param_groups"], strict=True):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self.step_count = int(metadata["step_count"])
+        self.skipped_steps = int(metadata["skipped_steps"])
+        for sg in self.subgroups:  # the model follows the restored master weights
+            master = self.stager.read(sg.index).view(STATE_PARTS, sg.numel)[0]
+            for piece in sg.pieces:
+                target = self.params[piece.param].data.view(-1)
+                target[piece.param_offset : piece.param_offset + piece.length].copy_(
+                    master[piece.offset : piece.offset + piece.length]
+                )
 
     # -- the pass ---------------------------------------------------------------------------------
     def _pass(self, order: list[int], coefficient: float) -> None:

@@ -186,6 +186,19 @@ def test_save_load_continue_equals_uninterrupted(tmp_path: Path) -> None:
         for got, want in zip(resumed.master_params(), expected, strict=True):
             assert torch.equal(got, want)
 
+    with make_store(tmp_path, "dram") as store:  # the same through an HDF5 snapshot
+        params = fresh()
+        first = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="snap")
+        train(first, params, range(5))
+        first.save_snapshot(tmp_path / "optimizer.h5")
+    with make_store(tmp_path, "nvme") as store:
+        params = fresh()  # the snapshot's master weights are copied into the model
+        resumed = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="snap")
+        resumed.load_snapshot(tmp_path / "optimizer.h5")
+        train(resumed, params, range(5, 10))
+        for got, want in zip(resumed.master_params(), expected, strict=True):
+            assert torch.equal(got, want)
+
 
 def test_cached_subgroups_skip_their_reads_and_writes(tmp_path: Path) -> None:
     sub_group_size, state_bytes = 1000, 12 * 1000

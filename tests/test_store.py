@@ -196,7 +196,9 @@ def test_delete(make_store: StoreFactory) -> None:
         store.delete("a")
 
 
-@pytest.mark.parametrize("key", ["", "nul\x00", 3, None, "k" * 1025, "../../etc/passwd", "/abs", "a/../b", "tab\t"])
+@pytest.mark.parametrize(
+    "key", ["", "nul\x00", 3, None, "k" * 1025, "../../etc/passwd", "/abs", "a/../b", "tab\t"]
+)
 def test_invalid_keys(make_store: StoreFactory, key: object) -> None:
     store = make_store()
     with pytest.raises(InvalidKeyError):

@@ -25,6 +25,7 @@ from .errors import (
     UnsupportedVersionError,
     UnwritablePathError,
 )
+from .snapshot import export_hdf5, import_hdf5
 from .store import ObjectInfo, TierStore
 from .tier import Placement, Tier
 
@@ -45,13 +46,15 @@ __all__ = [
     "OutOfRangeError",
     "Placement",
     "StoreClosedError",
-    "StoreLockedError",
     "StoreConfig",
+    "StoreLockedError",
     "Tier",
     "TierStore",
     "TierStoreError",
     "UnsupportedVersionError",
     "UnwritablePathError",
     "default_config",
+    "export_hdf5",
+    "import_hdf5",
     "load_config",
 ]

@@ -147,15 +147,13 @@ def measure_tier(
             between_phases()
         started = time.perf_counter()
         target_view = target.memoryview(nbytes)
-        reads = (
-            partial(tier.read_into, write.result(), target_view, Priority.CRITICAL) for write in writes
-        )
+        reads = (partial(tier.read_into, write.result(), target_view, Priority.CRITICAL) for write in writes)
         _pipeline(reads, depth, progress)
         read_seconds = time.perf_counter() - started
     finally:
-        for write in writes:
-            if write.done() and write.exception() is None:
-                tier.discard(write.result())
+        for written in writes:
+            if written.done() and written.exception() is None:
+                tier.discard(written.result())
     figures = _figures(nbytes * count, write_seconds, read_seconds)
     figures["object_write_seconds"] = [round(object_seconds[i], 5) for i in sorted(object_seconds)]
     return figures
@@ -173,7 +171,9 @@ def measure_round_trips(
             between(index)
         tier.reserve(nbytes)
         started = time.perf_counter()
-        placement = tier.write(f"tierstore-trip-{index}", source.memoryview(nbytes), Priority.CRITICAL).result()
+        placement = tier.write(
+            f"tierstore-trip-{index}", source.memoryview(nbytes), Priority.CRITICAL
+        ).result()
         try:
             tier.read_into(placement, target.memoryview(nbytes), Priority.CRITICAL).result()
         finally:

@@ -43,7 +43,9 @@ class Manifest:
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as error:
-            raise BackendIOError(error.errno, f"manifest: cannot create {self.directory}: {error.strerror}") from error
+            raise BackendIOError(
+                error.errno, f"manifest: cannot create {self.directory}: {error.strerror}"
+            ) from error
         self._mutex = threading.Lock()  # journal appends come from several threads
         self._lock = FileLock(self.directory / "lock", is_singleton=False)
         try:

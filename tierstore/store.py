@@ -27,6 +27,7 @@ every put durable when its future resolves.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -55,6 +56,7 @@ from .errors import (
     ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
+    OutOfRangeError,
     StoreClosedError,
 )
 from .limits import Priority
@@ -558,11 +560,15 @@ class TierStore:
         return self._start_write(data, priority).result()
 
     def _read(self, key: str, placement: Placement, out: memoryview, priority: Priority) -> None:
-        verify = self.verify == "always" or (self.verify == "sampled" and next(self._reads) % SAMPLE_EVERY == 0)
+        verify = self.verify == "always" or (
+            self.verify == "sampled" and next(self._reads) % SAMPLE_EVERY == 0
+        )
         try:
             placement.tier.read_into(placement, out, priority, verify=verify).result()
         except ChecksumError as error:
             raise ChecksumError(f"key {key!r}: {error}") from None
+        except OutOfRangeError as error:  # the file is shorter than the object it should hold
+            raise BackendIOError(errno.EIO, f"key {key!r}: stored object is truncated ({error})") from None
 
     def _read_direct(self, key: str, record: _Record, out: torch.Tensor | None) -> torch.Tensor:
         assert record.persisted is not None
@@ -625,11 +631,15 @@ class TierStore:
                 )
             dtype = getattr(torch, entry["dtype"], None)
             if not isinstance(dtype, torch.dtype):
-                raise ConfigError(f"manifest {manifest.directory}: key {key!r} has unknown dtype {entry['dtype']!r}")
+                raise ConfigError(
+                    f"manifest {manifest.directory}: key {key!r} has unknown dtype {entry['dtype']!r}"
+                )
             placement = tier.placement_from(entry["name"], int(entry["nbytes"]), entry["extents"])
             if not tier.reserve(placement.nbytes):
                 raise CapacityError(f"tier {tier.name!r} is too small for the objects its manifest lists")
-            self._records[key] = _Record(tuple(entry["shape"]), dtype, int(entry["nbytes"]), persisted=placement)
+            self._records[key] = _Record(
+                tuple(entry["shape"]), dtype, int(entry["nbytes"]), persisted=placement
+            )
         referenced = {entry["name"] for entry in manifest.entries.values()}
         for tier in self.tiers:
             for path in tier.paths:

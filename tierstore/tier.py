@@ -59,7 +59,8 @@ class Placement:
     def describe(self) -> list[dict[str, Any]]:
         """The extents with path names (and checksums), for the manifest and telemetry."""
         described: list[dict[str, Any]] = [
-            {"path": self.tier.paths[e.path].name, "offset": e.offset, "length": e.length} for e in self.extents
+            {"path": self.tier.paths[e.path].name, "offset": e.offset, "length": e.length}
+            for e in self.extents
         ]
         for extent, checksum in zip(described, self.checksums, strict=False):
             extent["checksum"] = checksum
@@ -244,13 +245,18 @@ class Tier:
 
         def attempt(excluded: frozenset[int]) -> None:
             extents = self.plan(data.nbytes, excluded)
-            checksums = tuple(digest(data[e.offset : e.offset + e.length]) for e in extents) if self.checksums else ()
+            checksums = (
+                tuple(digest(data[e.offset : e.offset + e.length]) for e in extents) if self.checksums else ()
+            )
             writes = [
-                self.paths[e.path].write(name, data[e.offset : e.offset + e.length], priority) for e in extents
+                self.paths[e.path].write(name, data[e.offset : e.offset + e.length], priority)
+                for e in extents
             ]
 
             def done(_: Future[None]) -> None:
-                failed = frozenset(e.path for e, w in zip(extents, writes, strict=True) if w.exception() is not None)
+                failed = frozenset(
+                    e.path for e, w in zip(extents, writes, strict=True) if w.exception() is not None
+                )
                 if not failed:
                     self._count("bytes_written", data.nbytes)
                     result.set_result(Placement(self, name, data.nbytes, extents, checksums))
@@ -262,19 +268,25 @@ class Tier:
                     with self._lock:
                         self.failed_paths |= failed
                     for index in failed:
-                        _log.warning("tier %s: path %s failed (%s); excluded from new objects",
-                                     self.name, self.paths[index].name, error)
+                        _log.warning(
+                            "tier %s: path %s failed (%s); excluded from new objects",
+                            self.name,
+                            self.paths[index].name,
+                            error,
+                        )
                     attempt(excluded | failed)
                     return
                 self.release(data.nbytes)
-                result.set_exception(error)  # type: ignore[arg-type]
+                result.set_exception(error)
 
             when_all(writes, lambda: None).add_done_callback(done)
 
         attempt(frozenset(self.failed_paths))
         return result
 
-    def read_into(self, placement: Placement, out: memoryview, priority: Priority, *, verify: bool = True) -> Future[None]:
+    def read_into(
+        self, placement: Placement, out: memoryview, priority: Priority, *, verify: bool = True
+    ) -> Future[None]:
         """Read every extent in parallel straight into its slice of ``out``; with ``verify``,
         check each extent's checksum (:class:`ChecksumError` names the path and object)."""
         reads = [
@@ -293,8 +305,12 @@ class Tier:
                         f"{extent.offset}-{extent.offset + extent.length} do not match their checksum"
                     )
 
+        def count(done: Future[None]) -> None:
+            if done.exception() is None:
+                self._count("bytes_read", out.nbytes)
+
         future = when_all(reads, check)
-        future.add_done_callback(lambda done: done.exception() is None and self._count("bytes_read", out.nbytes))
+        future.add_done_callback(count)
         return future
 
     def discard(self, placement: Placement) -> None:

@@ -1,0 +1,132 @@
+"""``fault``: TESTING, another backend with injectable failures.
+
+Faults that cannot be produced on demand on a real machine (EIO from a disk, EACCES as root, a
+torn write) are injected in front of a real backend, so the layers above are tested against the
+errors real media raise::
+
+    backend = open_backend({"type": "fault", "inner": "nvme:///tmp/x"})
+    backend.inject("write", errno.ENOSPC, count=1)     # the next write fails with ENOSPC
+    backend.inject("write", errno.EIO, torn=True)       # every write: half the bytes, then EIO
+    backend.clear()
+
+A failing operation raises :class:`~tierstore.errors.BackendIOError` with the injected errno,
+through its future (as the real backends do).
+"""
+
+from __future__ import annotations
+
+import errno as errnos
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..errors import BackendIOError
+from .base import Backend, BackendOptions, Capabilities
+from .registry import open_backend
+
+Operation = Literal["write", "read", "delete"]
+
+
+class FaultOptions(BackendOptions):
+    inner: str | dict[str, Any]
+    """The backend the faults are injected in front of (URL or table)."""
+
+
+@dataclass
+class _Fault:
+    code: int
+    remaining: int | None
+    torn: bool
+
+
+class FaultBackend(Backend):
+    """Another backend whose operations fail on demand (testing; see the module docstring)."""
+
+    scheme = "fault"
+    Options = FaultOptions
+    options: FaultOptions
+
+    def __init__(self, options: BackendOptions) -> None:
+        super().__init__(options)
+        assert isinstance(options, FaultOptions)
+        self.inner = open_backend(options.inner, where="fault.inner")
+        self._faults: dict[str, _Fault] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
+        return dict(query)  # fault://?inner=dram://
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def inject(
+        self, operation: Operation, code: int, *, count: int | None = None, torn: bool = False
+    ) -> None:
+        """Make the next ``count`` (default: every) ``operation`` fail with errno ``code``; a
+        ``torn`` write stores the first half of its bytes before failing."""
+        with self._lock:
+            self._faults[operation] = _Fault(code, count, torn)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    def _take(self, operation: Operation) -> _Fault | None:
+        with self._lock:
+            fault = self._faults.get(operation)
+            if fault is None:
+                return None
+            if fault.remaining is not None:
+                fault.remaining -= 1
+                if fault.remaining <= 0:
+                    del self._faults[operation]
+            return fault
+
+    def _error(self, fault: _Fault, what: str) -> BackendIOError:
+        return BackendIOError(
+            fault.code,
+            f"fault: injected {errnos.errorcode.get(fault.code, fault.code)} "
+            f"({os.strerror(fault.code)}) on {what}",
+        )
+
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        fault = self._take("write")
+        if fault is None:
+            return self.inner.write(name, offset, data)
+        if fault.torn and data.nbytes:
+            half = data.nbytes // 2 // self.capabilities.alignment * self.capabilities.alignment
+            self.inner.write(name, offset, data[:half]).result()
+        failed: Future[None] = Future()
+        failed.set_exception(self._error(fault, f"writing {name}"))
+        return failed
+
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        fault = self._take("read")
+        if fault is None:
+            return self.inner.read_into(name, offset, out)
+        failed: Future[None] = Future()
+        failed.set_exception(self._error(fault, f"reading {name}"))
+        return failed
+
+    def _delete(self, name: str) -> None:
+        fault = self._take("delete")
+        if fault is not None:
+            raise self._error(fault, f"deleting {name}")
+        self.inner.delete(name)
+
+    def _exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def _size(self, name: str) -> int:
+        return self.inner.size(name)
+
+    def _list(self) -> list[str]:
+        return self.inner.list()
+
+    def _close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,438 @@
+"""Persistent stores under restarts, crashes and faults; snapshots; fuzzed configs and keys."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from tierstore.backends import open_backend
+from tierstore.backends.fault import FaultBackend
+from tierstore.backends.nvme import NvmeBackend
+
+from tierstore import (
+    BackendIOError,
+    ChecksumError,
+    ConfigError,
+    InvalidKeyError,
+    KeyNotFoundError,
+    StoreConfig,
+    StoreLockedError,
+    Tier,
+    TierStore,
+    export_hdf5,
+    import_hdf5,
+    load_config,
+)
+from tierstore.testing import BackendTests
+
+TESTS = Path(__file__).parent
+
+
+def persistent(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "cache": {"budget": "1MiB"},
+        "manifest": str(tmp_path / "manifest"),
+        "tiers": [{"name": "nvme", "backend": f"nvme://{tmp_path / 'nvme'}?chunk_bytes=64KiB"}],
+        **extra,
+    }
+
+
+def samples() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "w/bf16": torch.randn(3, 1000).bfloat16(),
+        "w/int64": torch.arange(12345, dtype=torch.int64),
+        "big/fp32": torch.randn(1 << 19),  # larger than the cache: straight to the tier
+        "empty": torch.empty(0, 7),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+    }
+
+
+def nvme_root(store: TierStore) -> Path:
+    backend = store.tiers[0].paths[0].backend
+    assert isinstance(backend, NvmeBackend)
+    return backend.root
+
+
+# -- reopen ---------------------------------------------------------------------------------------
+def test_reopen_finds_every_committed_object(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    with TierStore.from_config(config) as store:
+        for key, tensor in samples().items():
+            store[key] = tensor
+        store["w/bf16"] = samples()["w/bf16"] * 2  # an overwrite: only the new version survives
+        del store["scalar"]
+    with TierStore.from_config(config) as store:  # dirty cached objects were written back at close
+        expected = {**samples(), "w/bf16": samples()["w/bf16"] * 2}
+        del expected["scalar"]
+        assert sorted(store.keys()) == sorted(expected)
+        for key, tensor in expected.items():
+            got = store[key]
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
+        objects = {p.name for p in nvme_root(store).iterdir() if not p.name.startswith(".")}
+        assert objects == {_name(store, key) for key in expected if store.info(key).extents}
+
+
+def _name(store: TierStore, key: str) -> str:
+    record = store._records[key]
+    return record.persisted.name if record.persisted else ""
+
+
+def test_reopen_across_nvme_and_zarr_tiers(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    config["tiers"] = [
+        {"name": "nvme", "backend": f"nvme://{tmp_path / 'nvme'}", "capacity": "1MiB"},
+        {"name": "zarr", "backend": f"zarr://{tmp_path / 'zarr'}"},
+    ]
+    data = {f"k{i}": torch.full((100_000,), i, dtype=torch.int32) for i in range(6)}  # 400 kB each
+    with TierStore.from_config(config) as store:
+        for key, tensor in data.items():
+            store.put(key, tensor, cache=False).result()
+        assert {store.info(k).tier for k in data} == {"nvme", "zarr"}
+    with TierStore.from_config(config) as store:
+        assert all(torch.equal(store[k], t) for k, t in data.items())
+
+
+def test_a_second_opener_is_refused(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    with TierStore.from_config(config):
+        with pytest.raises(StoreLockedError, match="open in another"):
+            TierStore.from_config(config)
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys, json; from tierstore import TierStore; "
+                "TierStore.from_config(json.loads(sys.argv[1]))",
+                json.dumps(config),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert child.returncode != 0 and "StoreLockedError" in child.stderr
+    TierStore.from_config(config).close()  # released at close
+
+
+def test_a_manifest_naming_a_missing_tier_is_a_config_error(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    with TierStore.from_config(config) as store:
+        store["x"] = torch.ones(10)
+    config["tiers"][0]["name"] = "renamed"
+    with pytest.raises(ConfigError, match="tier 'nvme'"):
+        TierStore.from_config(config)
+
+
+# -- checksums and damaged files ----------------------------------------------------------------------
+def test_corruption_is_detected_and_names_the_key_and_path(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    with TierStore.from_config(config) as store:
+        store.put("victim", torch.arange(50_000, dtype=torch.int32), cache=False).result()
+        store.put("bystander", torch.ones(50_000), cache=False).result()
+        file = nvme_root(store) / _name(store, "victim")
+    with open(file, "r+b") as damaged:
+        damaged.seek(12_345)
+        byte = damaged.read(1)
+        damaged.seek(12_345)
+        damaged.write(bytes([byte[0] ^ 0x01]))
+    with TierStore.from_config(config) as store:
+        with pytest.raises(ChecksumError, match=r"key 'victim'.*path nvme\.0"):
+            store.get("victim", cache=False).result()
+        assert torch.equal(store["bystander"], torch.ones(50_000))
+    with TierStore.from_config({**config, "verify": "off"}) as store:  # explicitly unchecked
+        assert int((store["victim"] != torch.arange(50_000, dtype=torch.int32)).sum()) == 1
+
+
+def test_a_truncated_file_is_a_typed_error(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    with TierStore.from_config(config) as store:
+        store.put("cut", torch.ones(100_000), cache=False).result()
+        file = nvme_root(store) / _name(store, "cut")
+    os.truncate(file, 1000)
+    with TierStore.from_config(config) as store, pytest.raises(BackendIOError):
+        store.get("cut", cache=False).result()
+
+
+# -- crashes ----------------------------------------------------------------------------------------
+def test_kill_9_at_random_moments_never_tears_an_object(tmp_path: Path) -> None:
+    """20 kills of a writer at random points; after each, every key holds a whole version no newer
+    than the last one started, and no garbage file is left behind."""
+    config = persistent(tmp_path, cache={"budget": 0})
+    rng = random.Random(7)
+    version, seen = 0, 0
+    for kill in range(20):
+        writer = subprocess.Popen(
+            [sys.executable, str(TESTS / "crash_writer.py"), json.dumps(config), str(version), str(kill)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready", writer.stderr
+        time.sleep(rng.uniform(0.05, 0.6))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        started = int((tmp_path / "manifest.started").read_text())
+        with TierStore.from_config(config) as store:
+            for key in store:
+                values = store[key]
+                assert values.numel() == 4096 + 997 * (int(values[0]) % 300), key
+                assert bool((values == values[0]).all()), f"{key} is torn"
+                assert int(values[0]) <= started
+            seen = max(seen, len(store.keys()))
+            referenced = {_name(store, key) for key in store}
+            on_disk = {p.name for p in nvme_root(store).iterdir() if not p.name.startswith(".")}
+            assert on_disk == referenced  # interrupted writes were collected at reopen
+        version = started + 1
+    assert version > 40 and seen == 8  # the writer made real progress between kills
+
+
+def test_a_failed_put_keeps_the_previous_version_across_reopen(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    config["tiers"][0]["backend"] = {"type": "fault", "inner": f"nvme://{tmp_path / 'nvme'}"}
+    with TierStore.from_config(config) as store:
+        store.put("x", torch.ones(10_000), cache=False).result()
+        fault = store.tiers[0].paths[0].backend
+        assert isinstance(fault, FaultBackend)
+        fault.inject("write", errno.EIO, torn=True)
+        with pytest.raises(BackendIOError, match="EIO"):
+            store.put("x", torch.zeros(10_000), cache=False).result()
+        fault.clear()
+    with TierStore.from_config(config) as store:
+        assert torch.equal(store["x"], torch.ones(10_000))
+
+
+# -- faults ---------------------------------------------------------------------------------------
+def fault_tier(name: str, inner: str = "dram://") -> Tier:
+    return Tier(name, open_backend({"type": "fault", "inner": inner}))
+
+
+def faults(tier: Tier) -> FaultBackend:
+    backend = tier.paths[0].backend
+    assert isinstance(backend, FaultBackend)
+    return backend
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES])
+def test_a_failing_tier_hands_objects_to_the_next(code: int) -> None:
+    first, second = fault_tier("first"), fault_tier("second")
+    with TierStore([first, second], cache_budget=0) as store:
+        faults(first).inject("write", code)
+        store["x"] = torch.ones(1000)
+        assert store.info("x").tier == "second" and torch.equal(store["x"], torch.ones(1000))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES])
+def test_with_no_tier_left_the_error_is_typed_and_nothing_is_lost(code: int) -> None:
+    only = fault_tier("only")
+    with TierStore([only], cache_budget=0) as store:
+        store["x"] = torch.ones(1000)
+        faults(only).inject("write", code)
+        with pytest.raises(BackendIOError) as raised:
+            store["x"] = torch.zeros(1000)
+        assert raised.value.errno == code
+        faults(only).clear()
+        assert torch.equal(store["x"], torch.ones(1000)) and faults(only).list() == [_name(store, "x")]
+
+
+def test_read_errors_are_typed() -> None:
+    only = fault_tier("only")
+    with TierStore([only], cache_budget=0) as store:
+        store["x"] = torch.ones(1000)
+        faults(only).inject("read", errno.EIO, count=1)
+        with pytest.raises(BackendIOError, match="EIO"):
+            store["x"]
+        assert torch.equal(store["x"], torch.ones(1000))  # transient: the next read works
+
+
+def test_write_back_failure_keeps_the_data_cached_until_flush_succeeds() -> None:
+    only = fault_tier("only")
+    with TierStore([only], cache_budget=1 << 20) as store:
+        store["x"] = torch.ones(1000)
+        faults(only).inject("write", errno.ENOSPC)
+        with pytest.raises(BackendIOError, match="write-back failed"):
+            store.flush()
+        assert torch.equal(store["x"], torch.ones(1000))
+        faults(only).clear()
+        store.flush()
+        assert not store.info("x").dirty
+
+
+def test_a_vanished_path_is_excluded_and_the_tier_keeps_serving(tmp_path: Path) -> None:
+    config = {
+        "cache": {"budget": 0},
+        "tiers": [
+            {
+                "name": "v",
+                "paths": [
+                    {"name": "a", "backend": f"nvme://{tmp_path / 'a'}"},
+                    {"name": "b", "backend": f"nvme://{tmp_path / 'b'}"},
+                ],
+            }
+        ],
+    }
+    with TierStore.from_config(config) as store:
+        store["before"] = torch.arange(1 << 18, dtype=torch.int32)  # striped over a and b
+        subprocess.run(["rm", "-rf", str(tmp_path / "b")], check=True)
+        store["after"] = torch.arange(1 << 18, dtype=torch.int32)  # b fails; rewritten on a alone
+        assert [e["path"] for e in store.info("after").extents] == ["a"]
+        assert torch.equal(store["after"], torch.arange(1 << 18, dtype=torch.int32))
+        with pytest.raises((KeyNotFoundError, BackendIOError)):  # its half on b is gone
+            store["before"]
+
+
+def test_enospc_on_a_real_full_file_system(tmp_path: Path) -> None:
+    """A 1 MiB tmpfs (needs root to mount): the put fails with ENOSPC, the old version stays."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, check=False
+        ).returncode
+    ):
+        pytest.skip("mounting a small tmpfs needs root (and mount permission)")
+    try:
+        with TierStore([Tier("small", open_backend(f"nvme://{mount}"))], cache_budget=0) as store:
+            store["x"] = torch.ones(100_000)  # 400 kB
+            with pytest.raises(BackendIOError) as raised:
+                store["y"] = torch.ones(200_000)  # 800 kB: no room
+            assert raised.value.errno == errno.ENOSPC
+            assert "y" not in store and torch.equal(store["x"], torch.ones(100_000))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+class TestFaultBackend(BackendTests):
+    """With nothing injected, the wrapper honours the backend contract."""
+
+    def open(self, root: Path) -> Any:
+        return open_backend({"type": "fault", "inner": f"nvme://{root}?chunk_bytes=65536"})
+
+    def raw_get(self, backend: Any, name: str) -> bytes:
+        return (backend.inner.root / name).read_bytes()
+
+    def raw_set(self, backend: Any, name: str, data: bytes) -> None:
+        (backend.inner.root / name).write_bytes(data)
+
+
+# -- snapshots ------------------------------------------------------------------------------------
+def test_snapshot_round_trip_into_other_backends(tmp_path: Path) -> None:
+    with TierStore.from_config(persistent(tmp_path)) as source:
+        for key, tensor in samples().items():
+            source[key] = tensor
+        assert export_hdf5(source, tmp_path / "snap.h5", metadata={"step": 7}) == len(samples())
+    target_config = {"tiers": [{"name": "zarr", "backend": f"zarr://{tmp_path / 'zarr'}"}]}
+    with TierStore.from_config(target_config) as target:
+        assert import_hdf5(tmp_path / "snap.h5", target) == {"step": 7}
+        for key, tensor in samples().items():
+            got = target[key]
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape
+            assert got.reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), (
+                key
+            )  # bit for bit
+    assert not list(tmp_path.glob(".snap.h5.tmp"))
+
+
+# -- soak -----------------------------------------------------------------------------------------
+def test_soak_eight_threads_against_a_dict_model(tmp_path: Path) -> None:
+    seconds = float(os.environ.get("TIERSTORE_SOAK_SECONDS", "8"))
+    config = {
+        "cache": {"budget": "2MiB"},
+        "manifest": str(tmp_path / "manifest"),
+        "tiers": [
+            {"name": "nvme", "backend": f"nvme://{tmp_path / 'nvme'}?chunk_bytes=64KiB", "capacity": "4MiB"},
+            {"name": "zarr", "backend": f"zarr://{tmp_path / 'zarr'}"},
+        ],
+    }
+    mismatches: list[str] = []
+    deadline = time.monotonic() + seconds
+    models: list[dict[str, torch.Tensor]] = [{} for _ in range(8)]
+
+    def worker(index: int, store: TierStore) -> None:
+        rng, model = random.Random(index), models[index]
+        while time.monotonic() < deadline:
+            key = f"t{index}/k{rng.randrange(12)}"
+            action = rng.random()
+            if action < 0.45:
+                value = torch.full((rng.randrange(1, 150_000),), rng.randrange(1 << 30), dtype=torch.int32)
+                store.put(key, value, cache=rng.random() < 0.7).result()
+                model[key] = value
+            elif action < 0.9:
+                if key in model:
+                    got = store.get(key, cache=rng.random() < 0.5).result()
+                    if not torch.equal(got, model[key]):
+                        mismatches.append(key)
+                elif key in store:
+                    mismatches.append(f"{key} should not exist")
+            elif key in model:
+                store.delete(key)
+                del model[key]
+
+    with TierStore.from_config(config) as store:
+        threads = [threading.Thread(target=worker, args=(i, store)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not mismatches
+    expected = {k: v for model in models for k, v in model.items()}
+    with TierStore.from_config(config) as store:  # and everything survives a reopen
+        assert sorted(store.keys()) == sorted(expected)
+        assert all(torch.equal(store[k], v) for k, v in expected.items())
+
+
+# -- fuzzing --------------------------------------------------------------------------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+config_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "cache": st.dictionaries(st.sampled_from(["budget", "policy", "cache_reads", "x"]), json_values),
+        "tiers": st.lists(
+            st.dictionaries(
+                st.sampled_from(["name", "backend", "paths", "capacity", "placement"]), json_values
+            ),
+            max_size=3,
+        ),
+        "workers": json_values,
+        "manifest": json_values,
+        "verify": json_values,
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(config_like)
+def test_config_parser_either_validates_or_names_the_problem(document: dict[str, Any]) -> None:
+    try:
+        assert isinstance(load_config(document), StoreConfig)
+    except ConfigError as error:
+        assert "invalid configuration" in str(error) or "expected a mapping" in str(error)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=40))
+def test_keys_either_work_or_are_refused(key: str) -> None:
+    with TierStore([Tier("ram", open_backend("dram://"))], cache_budget=0) as store:
+        try:
+            store[key] = torch.ones(1)
+        except InvalidKeyError:
+            assert not key or key.startswith("/") or ".." in key.split("/") or any(ord(c) < 32 for c in key)
+            return
+        assert torch.equal(store[key], torch.ones(1)) and store.keys() == [key]
