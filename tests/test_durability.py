@@ -436,3 +436,28 @@ def test_keys_either_work_or_are_refused(key: str) -> None:
             assert not key or key.startswith("/") or ".." in key.split("/") or any(ord(c) < 32 for c in key)
             return
         assert torch.equal(store[key], torch.ones(1)) and store.keys() == [key]
+
+
+def test_a_path_that_becomes_very_slow_loses_its_share() -> None:
+    def throttled(name: str) -> dict[str, Any]:
+        inner = {
+            "type": "throttle",
+            "inner": "dram://",
+            "read_bytes_per_s": "400MB",
+            "write_bytes_per_s": "400MB",
+        }
+        return {"name": name, "backend": inner}
+
+    config = {"cache": {"budget": 0}, "tiers": [{"name": "v", "paths": [throttled("a"), throttled("b")]}]}
+    data = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB
+    with TierStore.from_config(config) as store:
+        for index in range(4):  # written and read back, so both directions are measured
+            store[f"warm{index}"] = data
+            assert torch.equal(store[f"warm{index}"], data)
+        slow = store.tiers[0].paths[1].backend
+        slow.set_rates(read=10e6, write=10e6)  # type: ignore[attr-defined]
+        for index in range(12):
+            store[f"after{index}"] = data
+            assert torch.equal(store[f"after{index}"], data)
+        share = {e["path"]: e["length"] for e in store.info("after11").extents}
+        assert share.get("b", 0) < 0.2 * data.numel() * 4, share  # from about half to a sliver
