@@ -461,3 +461,11 @@ def test_a_path_that_becomes_very_slow_loses_its_share() -> None:
             assert torch.equal(store[f"after{index}"], data)
         share = {e["path"]: e["length"] for e in store.info("after11").extents}
         assert share.get("b", 0) < 0.2 * data.numel() * 4, share  # from about half to a sliver
+
+
+def test_manifest_files_are_owner_only(tmp_path: Path) -> None:
+    with TierStore.from_config(persistent(tmp_path)) as store:
+        store["x"] = torch.ones(3)
+    manifest = tmp_path / "manifest"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [manifest, *manifest.iterdir()]}
+    assert modes == {"manifest": 0o700, "manifest.json": 0o600, "journal.jsonl": 0o600, "lock": 0o600}

@@ -23,7 +23,7 @@ import secrets
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from filelock import FileLock, Timeout
 
@@ -47,7 +47,7 @@ class Manifest:
                 error.errno, f"manifest: cannot create {self.directory}: {error.strerror}"
             ) from error
         self._mutex = threading.Lock()  # journal appends come from several threads
-        self._lock = FileLock(self.directory / "lock", is_singleton=False)
+        self._lock = FileLock(self.directory / "lock", mode=0o600, is_singleton=False)
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
@@ -55,7 +55,7 @@ class Manifest:
         try:
             self.entries, self.tokens = self._replay()
             self.token = secrets.token_hex(4)
-            self._journal = open(self.directory / "journal.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            self._journal = _open_journal(self.directory / "journal.jsonl", truncate=False)
             self._lines = sum(1 for _ in self._journal_lines())
             self._append({"op": "token", "token": self.token})
             self.tokens.add(self.token)
@@ -88,15 +88,16 @@ class Manifest:
         self.tokens = {*live_tokens, self.token}
         snapshot = {"format": FORMAT, "tokens": sorted(self.tokens), "entries": self.entries}
         temporary = self.directory / "manifest.json.tmp"
-        with open(temporary, "w", encoding="utf-8") as out:
+        with os.fdopen(
+            os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8"
+        ) as out:
             json.dump(snapshot, out)
             out.flush()
             os.fsync(out.fileno())
-        os.chmod(temporary, 0o600)
         os.replace(temporary, self.directory / "manifest.json")
         _fsync_directory(self.directory)
         self._journal.close()
-        self._journal = open(self.directory / "journal.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+        self._journal = _open_journal(self.directory / "journal.jsonl", truncate=True)
         self._journal.flush()
         os.fsync(self._journal.fileno())
         self._lines = 0
@@ -142,6 +143,12 @@ class Manifest:
                 if not line.endswith("\n"):
                     return  # the torn tail of a crashed append: never acknowledged
                 yield json.loads(line)
+
+
+def _open_journal(path: Path, *, truncate: bool) -> TextIO:
+    """The journal for appending, created owner-only."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
+    return os.fdopen(os.open(path, flags, 0o600), "a", encoding="utf-8")
 
 
 def _fsync_directory(directory: Path) -> None:
