@@ -255,3 +255,46 @@ def check_name(name: str) -> None:
             f"invalid object name {name!r}: use 1-200 characters from [A-Za-z0-9._-], "
             "not starting with '.' or '-'"
         )
+
+
+class WrapperOptions(BackendOptions):
+    inner: str | dict[str, Any]
+    """The wrapped backend (URL or table)."""
+
+
+class WrapperBackend(Backend):
+    """A backend in front of another (``inner``): same capabilities, and the metadata operations
+    pass straight through. The test and emulation wrappers (``throttle``, ``fault``) build on it
+    and override only the data path."""
+
+    Options: ClassVar[type[BackendOptions]] = WrapperOptions
+
+    def __init__(self, options: BackendOptions) -> None:
+        super().__init__(options)
+        assert isinstance(options, WrapperOptions)
+        from .registry import open_backend  # the registry imports this module
+
+        self.inner = open_backend(options.inner, where=f"{self.scheme}.inner")
+
+    @classmethod
+    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
+        return dict(query)  # e.g. fault://?inner=dram://
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def _delete(self, name: str) -> None:
+        self.inner.delete(name)
+
+    def _exists(self, name: str) -> bool:
+        return self.inner.exists(name)
+
+    def _size(self, name: str) -> int:
+        return self.inner.size(name)
+
+    def _list(self) -> builtins.list[str]:
+        return self.inner.list()
+
+    def _close(self) -> None:
+        self.inner.close()

@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from pydantic import ByteSize, Field
 
-from .base import Backend, BackendOptions, Capabilities
-from .registry import open_backend
+from .base import BackendOptions, WrapperBackend, WrapperOptions
 
 
-class ThrottleOptions(BackendOptions):
-    inner: str | dict[str, Any]
-    """The backend being slowed down (URL or table)."""
+class ThrottleOptions(WrapperOptions):
     read_bytes_per_s: ByteSize | None = None
     """Read rate (None: unlimited)."""
     write_bytes_per_s: ByteSize | None = None
@@ -65,7 +60,7 @@ class Pacer:
             time.sleep(delay)
 
 
-class ThrottleBackend(Backend):
+class ThrottleBackend(WrapperBackend):
     """Another backend, slowed to a configured rate (emulation; see the module docstring)."""
 
     scheme = "throttle"
@@ -75,7 +70,6 @@ class ThrottleBackend(Backend):
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
         assert isinstance(options, ThrottleOptions)
-        self.inner = open_backend(options.inner, where="throttle.inner")
         caps = self.inner.capabilities
         self._piece = -(-int(options.piece_bytes) // caps.alignment) * caps.alignment
         self._pacers = {
@@ -83,14 +77,6 @@ class ThrottleBackend(Backend):
             "write": Pacer(_rate(options.write_bytes_per_s)),
         }
         self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="tierstore-throttle")
-
-    @classmethod
-    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        return dict(query)  # throttle://?inner=dram://&write_bytes_per_s=400MB
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
 
     def set_rates(self, *, read: float | None = None, write: float | None = None) -> None:
         """New rates in bytes/s (None leaves that direction unchanged)."""
@@ -129,21 +115,9 @@ class ThrottleBackend(Backend):
             self.inner.read_into(name, offset + start, piece).result()
             pacer.pace(piece.nbytes, began)
 
-    def _delete(self, name: str) -> None:
-        self.inner.delete(name)
-
-    def _exists(self, name: str) -> bool:
-        return self.inner.exists(name)
-
-    def _size(self, name: str) -> int:
-        return self.inner.size(name)
-
-    def _list(self) -> list[str]:
-        return self.inner.list()
-
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.inner.close()
+        super()._close()
 
 
 def _rate(value: ByteSize | None) -> float | None:

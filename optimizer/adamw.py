@@ -31,7 +31,7 @@ from ..buffers import AlignedBuffer
 from ..errors import BufferMismatchError, ConfigError
 from ..snapshot import export_hdf5, import_hdf5
 from ..store import TierStore
-from .partition import SubGroup, partition
+from .partition import Piece, SubGroup, partition
 from .staging import FP32, CachePolicy, SubGroupStager
 
 STATE_PARTS = 3  # master weights, exp_avg, exp_avg_sq
@@ -180,12 +180,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.step_count = int(metadata["step_count"])
         self.skipped_steps = int(metadata["skipped_steps"])
         for sg in self.subgroups:  # the model follows the restored master weights
-            master = self.stager.read(sg.index).view(STATE_PARTS, sg.numel)[0]
-            for piece in sg.pieces:
-                target = self.params[piece.param].data.view(-1)
-                target[piece.param_offset : piece.param_offset + piece.length].copy_(
-                    master[piece.offset : piece.offset + piece.length]
-                )
+            self._copy_to_model(sg.pieces, self.stager.read(sg.index).view(STATE_PARTS, sg.numel)[0])
 
     # -- the pass ---------------------------------------------------------------------------------
     def _pass(self, order: list[int], coefficient: float) -> None:
@@ -237,12 +232,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             grad_scale=None,
             found_inf=None,
         )
-        for piece in sg.pieces:
-            if self.params[piece.param].grad is not None:
-                target = self.params[piece.param].data.view(-1)
-                target[piece.param_offset : piece.param_offset + piece.length].copy_(
-                    master[piece.offset : piece.offset + piece.length]
-                )
+        self._copy_to_model([p for p in sg.pieces if self.params[p.param].grad is not None], master)
+
+    def _copy_to_model(self, pieces: Iterable[Piece], master: torch.Tensor) -> None:
+        """The new master weights into the model's (low-precision) parameters."""
+        for piece in pieces:
+            target = self.params[piece.param].data.view(-1)
+            target[piece.param_offset : piece.param_offset + piece.length].copy_(
+                master[piece.offset : piece.offset + piece.length]
+            )
 
     def _gradient_coefficient(self, grad_scale: float) -> float | None:
         """1/grad_scale times the clipping factor, or None if the gradients overflowed."""

@@ -144,7 +144,7 @@ class TierStore:
         # Tier objects of concurrent stores in one directory never clash; a persistent store's
         # prefix is journaled first, so an interrupted write's object is recognised as garbage.
         token = secrets.token_hex(4) if self._manifest is None else self._manifest.token
-        self._names = (f"{token}-{n:x}" for n in itertools.count())
+        self._names = (f"{token}-{n:x}" for n in itertools.count())  # see _token_of
         if self._manifest is not None:
             try:
                 self._reopen(self._manifest)
@@ -315,7 +315,7 @@ class TierStore:
             for placement in placements:
                 placement.tier.discard(placement)
         else:
-            self._manifest.compact({p.name.split("-")[0] for p in placements})
+            self._manifest.compact({_token_of(p.name) for p in placements})
             self._manifest.close()
         self._pool.clear()
         for tier in self.tiers:
@@ -644,7 +644,7 @@ class TierStore:
         for tier in self.tiers:
             for path in tier.paths:
                 for name in path.backend.list():
-                    if name.split("-")[0] in manifest.tokens and name not in referenced:
+                    if _token_of(name) in manifest.tokens and name not in referenced:
                         path.backend.delete(name)
 
     def _detach(self, entry: CacheEntry) -> None:
@@ -680,6 +680,11 @@ class TierStore:
         if record is None:
             raise KeyNotFoundError(f"no object with key {key!r}")
         return record
+
+
+def _token_of(name: str) -> str:
+    """The store session that generated a backend object name (``{token}-{n:x}``)."""
+    return name.split("-", 1)[0]
 
 
 def _check_key(key: object) -> None:

@@ -245,13 +245,14 @@ class Tier:
 
         def attempt(excluded: frozenset[int]) -> None:
             extents = self.plan(data.nbytes, excluded)
-            checksums = (
-                tuple(digest(data[e.offset : e.offset + e.length]) for e in extents) if self.checksums else ()
-            )
             writes = [
                 self.paths[e.path].write(name, data[e.offset : e.offset + e.length], priority)
                 for e in extents
             ]
+            # Hashed while the writes are in flight (the caller does not touch ``data`` until done).
+            checksums = (
+                tuple(digest(data[e.offset : e.offset + e.length]) for e in extents) if self.checksums else ()
+            )
 
             def done(_: Future[None]) -> None:
                 failed = frozenset(
