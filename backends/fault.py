@@ -18,21 +18,14 @@ from __future__ import annotations
 import errno as errnos
 import os
 import threading
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from ..errors import BackendIOError
-from .base import Backend, BackendOptions, Capabilities
-from .registry import open_backend
+from ..errors import BackendIOError, ConfigError
+from .base import BackendOptions, WrapperBackend
 
 Operation = Literal["write", "read", "delete"]
-
-
-class FaultOptions(BackendOptions):
-    inner: str | dict[str, Any]
-    """The backend the faults are injected in front of (URL or table)."""
 
 
 @dataclass
@@ -42,33 +35,25 @@ class _Fault:
     torn: bool
 
 
-class FaultBackend(Backend):
+class FaultBackend(WrapperBackend):
     """Another backend whose operations fail on demand (testing; see the module docstring)."""
 
     scheme = "fault"
-    Options = FaultOptions
-    options: FaultOptions
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
-        assert isinstance(options, FaultOptions)
-        self.inner = open_backend(options.inner, where="fault.inner")
         self._faults: dict[str, _Fault] = {}
         self._lock = threading.Lock()
-
-    @classmethod
-    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        return dict(query)  # fault://?inner=dram://
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
 
     def inject(
         self, operation: Operation, code: int, *, count: int | None = None, torn: bool = False
     ) -> None:
         """Make the next ``count`` (default: every) ``operation`` fail with errno ``code``; a
         ``torn`` write stores the first half of its bytes before failing."""
+        if operation not in ("write", "read", "delete"):
+            raise ConfigError(f"fault: operation must be 'write', 'read' or 'delete', not {operation!r}")
+        if code not in errnos.errorcode or (count is not None and count < 1):
+            raise ConfigError(f"fault: {code!r} is not an errno, or count {count!r} is below 1")
         with self._lock:
             self._faults[operation] = _Fault(code, count, torn)
 
@@ -117,16 +102,4 @@ class FaultBackend(Backend):
         fault = self._take("delete")
         if fault is not None:
             raise self._error(fault, f"deleting {name}")
-        self.inner.delete(name)
-
-    def _exists(self, name: str) -> bool:
-        return self.inner.exists(name)
-
-    def _size(self, name: str) -> int:
-        return self.inner.size(name)
-
-    def _list(self) -> list[str]:
-        return self.inner.list()
-
-    def _close(self) -> None:
-        self.inner.close()
+        super()._delete(name)

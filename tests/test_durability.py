@@ -24,6 +24,7 @@ from tierstore.backends.nvme import NvmeBackend
 
 from tierstore import (
     BackendIOError,
+    BufferMismatchError,
     ChecksumError,
     ConfigError,
     InvalidKeyError,
@@ -469,3 +470,22 @@ def test_manifest_files_are_owner_only(tmp_path: Path) -> None:
     manifest = tmp_path / "manifest"
     modes = {p.name: p.stat().st_mode & 0o777 for p in [manifest, *manifest.iterdir()]}
     assert modes == {"manifest": 0o700, "manifest.json": 0o600, "journal.jsonl": 0o600, "lock": 0o600}
+
+
+def test_damaged_manifests_snapshots_and_fault_requests_are_typed_errors(tmp_path: Path) -> None:
+    config = persistent(tmp_path)
+    with TierStore.from_config(config) as store:
+        store["x"] = torch.ones(3)
+    (tmp_path / "manifest" / "manifest.json").write_text("{not json")
+    with pytest.raises(BackendIOError, match="not valid JSON"):
+        TierStore.from_config(config)
+    (tmp_path / "not.h5").write_bytes(b"plain text")
+    with (
+        TierStore([Tier("ram", open_backend("dram://"))]) as store,
+        pytest.raises(BufferMismatchError, match="not a readable HDF5 snapshot"),
+    ):
+        import_hdf5(tmp_path / "not.h5", store)
+    with open_backend({"type": "fault", "inner": "dram://"}) as backend:
+        assert isinstance(backend, FaultBackend)
+        with pytest.raises(ConfigError, match="operation"):
+            backend.inject("rename", errno.EIO)  # type: ignore[arg-type]

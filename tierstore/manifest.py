@@ -17,6 +17,7 @@ open) or the new one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -53,10 +54,9 @@ class Manifest:
         except Timeout:
             raise StoreLockedError(f"manifest {self.directory} is open in another process or store") from None
         try:
-            self.entries, self.tokens = self._replay()
+            self.entries, self.tokens, self._lines = self._replay()
             self.token = secrets.token_hex(4)
             self._journal = _open_journal(self.directory / "journal.jsonl", truncate=False)
-            self._lines = sum(1 for _ in self._journal_lines())
             self._append({"op": "token", "token": self.token})
             self.tokens.add(self.token)
         except BaseException:
@@ -115,34 +115,47 @@ class Manifest:
         os.fdatasync(self._journal.fileno())
         self._lines += 1
 
-    def _replay(self) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    def _replay(self) -> tuple[dict[str, dict[str, Any]], set[str], int]:
+        """Entries, tokens and the number of journal lines replayed."""
         entries: dict[str, dict[str, Any]] = {}
         tokens: set[str] = set()
+        lines = 0
         snapshot_path = self.directory / "manifest.json"
         if snapshot_path.exists():
-            snapshot = json.loads(snapshot_path.read_text(encoding="utf-8"))
-            if snapshot.get("format") != FORMAT:
-                raise BackendIOError(f"manifest {snapshot_path}: unknown format {snapshot.get('format')!r}")
+            try:
+                snapshot = json.loads(snapshot_path.read_text(encoding="utf-8"))
+            except ValueError as error:
+                raise BackendIOError(
+                    errno.EIO, f"manifest {snapshot_path} is not valid JSON: {error}"
+                ) from None
+            if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
+                raise BackendIOError(
+                    errno.EIO, f"manifest {snapshot_path}: not a tierstore manifest (format {FORMAT})"
+                )
             entries = snapshot["entries"]
             tokens = set(snapshot["tokens"])
         for record in self._journal_lines():
+            lines += 1
             if record["op"] == "put":
                 entries[record["key"]] = record["entry"]
             elif record["op"] == "delete":
                 entries.pop(record["key"], None)
             elif record["op"] == "token":
                 tokens.add(record["token"])
-        return entries, tokens
+        return entries, tokens, lines
 
     def _journal_lines(self) -> Iterator[dict[str, Any]]:
         path = self.directory / "journal.jsonl"
         if not path.exists():
             return
         with open(path, encoding="utf-8") as journal:
-            for line in journal:
+            for number, line in enumerate(journal, start=1):
                 if not line.endswith("\n"):
                     return  # the torn tail of a crashed append: never acknowledged
-                yield json.loads(line)
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    raise BackendIOError(errno.EIO, f"journal {path}: line {number} is damaged") from None
 
 
 def _open_journal(path: Path, *, truncate: bool) -> TextIO:

@@ -63,7 +63,11 @@ def export_hdf5(
 
 def import_hdf5(path: str | os.PathLike[str], store: TierStore) -> dict[str, Any]:
     """Put every object of a snapshot into ``store`` (same keys); returns its metadata."""
-    with h5py.File(path, "r") as source:
+    try:
+        source = h5py.File(path, "r")
+    except OSError as error:
+        raise BufferMismatchError(f"{path} is not a readable HDF5 snapshot: {error}") from None
+    with source:
         if source.attrs.get("format") != FORMAT or "objects" not in source:
             raise BufferMismatchError(f"{path} is not a tierstore snapshot (format {FORMAT})")
         objects = source["objects"]
