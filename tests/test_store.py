@@ -355,3 +355,20 @@ def test_cache_hint_bypasses_the_cache(make_store: StoreFactory) -> None:
     store["x"] = value  # cached now
     store.put("x", value + 1, cache=False).result()  # replaces the cached copy
     assert not store.info("x").cached and torch.equal(store["x"], value + 1)
+
+
+def test_concurrent_puts_get_distinct_backend_names() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierstore.backends import open_backend
+
+    with TierStore([open_backend("dram://")], cache_budget=0, workers=8) as store:
+
+        def put_many(thread: int) -> None:
+            for index in range(200):
+                store.put(f"t{thread}/{index}", torch.full((8,), index), cache=False).result()
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(put_many, range(8)))
+        names = {store._records[key].persisted.name for key in store}  # type: ignore[union-attr]
+        assert len(store) == len(names) == 1600

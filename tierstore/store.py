@@ -144,7 +144,10 @@ class TierStore:
         # Tier objects of concurrent stores in one directory never clash; a persistent store's
         # prefix is journaled first, so an interrupted write's object is recognised as garbage.
         token = secrets.token_hex(4) if self._manifest is None else self._manifest.token
-        self._names = (f"{token}-{n:x}" for n in itertools.count())  # see _token_of
+        self._token = token
+        # Backend names are "{token}-{n:x}" (see _token_of). itertools.count is safe to advance
+        # from several threads at once; a generator is not ("generator already executing").
+        self._serials = itertools.count()
         if self._manifest is not None:
             try:
                 self._reopen(self._manifest)
@@ -524,7 +527,7 @@ class TierStore:
         """Write a new object version to the first tier with room; a tier that fails with an I/O
         error (e.g. ENOSPC) hands the object on to the next one."""
         result: Future[Placement] = Future()
-        name = next(self._names)
+        name = f"{self._token}-{next(self._serials):x}"
 
         def attempt(start: int, error: BaseException | None) -> None:
             for index in range(start, len(self.tiers)):
