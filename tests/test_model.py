@@ -2,7 +2,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierstore.model import PathSpeed, plan_pass, stripe_weights, transfer_seconds
+from tierstore.model import (
+    PathSpeed,
+    SavedTensor,
+    plan_pass,
+    plan_spill,
+    replay_spill,
+    stripe_weights,
+    transfer_seconds,
+)
 
 NVME = PathSpeed("nvme", read=2e9, write=1e9)
 PFS = PathSpeed("pfs", read=1e9, write=1e9)
@@ -74,3 +82,57 @@ def test_bad_paths(paths: list[PathSpeed]) -> None:
 def test_bad_order() -> None:
     with pytest.raises(ValueError, match="order"):
         plan_pass([NVME], 100, [1, 2], order=[0, 0])
+
+
+# -- activation spill plans ------------------------------------------------------------------------
+DISK = [PathSpeed("disk", read=1e9, write=1e9)]
+
+
+def layers(count: int, nbytes: int, forward: float, backward: float) -> list[SavedTensor]:
+    """One tensor per layer, saved evenly through forward and used in reverse through backward."""
+    return [
+        SavedTensor(nbytes, forward * i / count, forward + backward * (count - i) / count) for i in range(count)
+    ]
+
+
+def test_spill_plan_keeps_everything_that_fits() -> None:
+    plan = plan_spill(DISK, 1 << 30, layers(8, 32 << 20, 1.0, 2.0), 3.0)
+    assert plan.keep == list(range(8)) and not plan.spill
+    assert plan.predicted_seconds == pytest.approx(3.0)
+
+
+def test_spill_plan_keeps_the_last_layers_within_the_budget() -> None:
+    tensors = layers(8, 32 << 20, 1.0, 2.0)
+    plan = plan_spill(DISK, 96 << 20, tensors, 3.0)
+    assert plan.keep and set(plan.keep) == set(range(8 - len(plan.keep), 8))
+    assert plan.peak_resident_bytes <= 96 << 20
+    assert plan.use_order == sorted(plan.spill, key=lambda i: tensors[i].used_at)
+
+
+def test_spill_plan_predicts_stalls_when_the_disk_is_slow() -> None:
+    slow = [PathSpeed("slow", read=50e6, write=50e6)]
+    tensors = layers(8, 32 << 20, 0.2, 0.4)
+    everything = replay_spill(slow, 64 << 20, tensors, set(range(8)), 0.6)
+    assert everything.write_stall > 0 and everything.read_stall > 0
+    plan = plan_spill(slow, 64 << 20, tensors, 0.6)
+    assert plan.predicted_seconds <= everything.seconds
+    assert plan.spill_all_seconds == pytest.approx(everything.seconds)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 64 << 20), min_size=1, max_size=12),
+    budget_factor=st.floats(1.0, 4.0),
+    bandwidth=st.floats(1e7, 1e10),
+)
+def test_spill_plan_is_never_worse_than_spilling_everything(
+    sizes: list[int], budget_factor: float, bandwidth: float
+) -> None:
+    count = len(sizes)
+    tensors = [SavedTensor(n, 0.1 * i, 0.1 * count + 0.2 * (count - i)) for i, n in enumerate(sizes)]
+    budget = int(max(sizes) * budget_factor)
+    paths = [PathSpeed("p", bandwidth, bandwidth)]
+    compute = 0.3 * count
+    plan = plan_spill(paths, budget, tensors, compute)
+    assert plan.predicted_seconds <= plan.spill_all_seconds + 1e-9
+    assert plan.peak_resident_bytes <= budget
+    assert sorted([*plan.keep, *plan.spill]) == list(range(count))

@@ -61,6 +61,7 @@ from .errors import (
 )
 from .limits import Priority
 from .manifest import Manifest
+from .model import PathSpeed
 from .tier import Placement, Tier
 
 MAX_KEY_LENGTH = 1024
@@ -96,6 +97,8 @@ class _Record:
     persisted: Placement | None = None
     journaled: Placement | None = None
     """Persistent stores: the version the manifest names while a newer one is only cached."""
+    scratch: bool = False
+    """Never journaled (see :meth:`TierStore.put`)."""
 
 
 class TierStore:
@@ -183,13 +186,17 @@ class TierStore:
             raise
 
     # -- public API: asynchronous ----------------------------------------------------------------
-    def put(self, key: str, tensor: torch.Tensor, *, cache: bool = True) -> Future[None]:
+    def put(
+        self, key: str, tensor: torch.Tensor, *, cache: bool = True, scratch: bool = False
+    ) -> Future[None]:
         """Store ``tensor`` (any dtype, shape, layout or device) under ``key``.
 
         The tensor is borrowed until the future resolves; do not modify it before then.
         ``cache=False`` is a hint from a caller that manages its own DRAM (the offloaded
         optimizer): the object goes straight to a tier from the tensor's memory, and any cached
-        copy of the previous version is dropped.
+        copy of the previous version is dropped. ``scratch=True`` marks an object written once,
+        read once and deleted (a spilled activation): it skips the cache like ``cache=False`` and
+        is never journaled, so a persistent store forgets it (and collects it) at the next open.
         """
         self._check_open()
         _check_key(key)
@@ -197,7 +204,7 @@ class TierStore:
             raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
         if tensor.is_sparse or tensor.layout != torch.strided:
             raise BufferMismatchError(f"put({key!r}): only dense (strided) tensors are supported")
-        return self._serial.submit(key, self._put, key, tensor.detach(), cache)
+        return self._serial.submit(key, self._put, key, tensor.detach(), cache and not scratch, scratch)
 
     def get(self, key: str, out: torch.Tensor | None = None, *, cache: bool = True) -> Future[torch.Tensor]:
         """Read ``key``; into ``out`` (same shape and dtype, any device/strides) if given.
@@ -291,6 +298,19 @@ class TierStore:
                 "tiers": {tier.name: tier.stats() for tier in self.tiers},
             }
 
+    def bandwidths(self) -> dict[str, list[PathSpeed]]:
+        """Each tier's paths with their current bandwidth estimates (measured online, else as
+        configured or probed), for workloads that plan their own I/O; paths without any estimate
+        yet are left out."""
+        speeds: dict[str, list[PathSpeed]] = {}
+        for tier in self.tiers:
+            speeds[tier.name] = []
+            for path in tier.paths:
+                estimate = path.bandwidth()
+                if estimate is not None:
+                    speeds[tier.name].append(PathSpeed(path.name, estimate.read, estimate.write))
+        return speeds
+
     def log_stats(self, level: int = logging.INFO) -> dict[str, Any]:
         """Send :meth:`stats` to the ``tierstore`` logger (one JSON line) and return it."""
         stats = self.stats()
@@ -351,8 +371,10 @@ class TierStore:
         return len(self._records)
 
     # -- operations (run on the serializer, one key at a time) -----------------------------------
-    def _put(self, key: str, tensor: torch.Tensor, cache: bool) -> None:
-        record = _Record(tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
+    def _put(self, key: str, tensor: torch.Tensor, cache: bool, scratch: bool) -> None:
+        record = _Record(
+            tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), scratch=scratch
+        )
         if not cache or not self._pool.fits(record.nbytes):  # straight to a tier
             source = tensor.cpu().contiguous()
             record.persisted = self._write_to_tier(_bytes_of(source), Priority.CRITICAL)
@@ -589,6 +611,8 @@ class TierStore:
         store keeps the journaled version until a newer one is journaled)."""
         if record.persisted is not None:
             self._journal(key, record, record.persisted)
+        if record.scratch and self._manifest is not None and key in self._manifest.entries:
+            self._manifest.remove(key)  # the journaled version it replaces is about to go
         entry = record.entry
         with self._cond:
             previous = self._records.get(key)
@@ -608,7 +632,7 @@ class TierStore:
             placement.tier.discard(placement)
 
     def _journal(self, key: str, record: _Record, placement: Placement) -> None:
-        if self._manifest is None:
+        if self._manifest is None or record.scratch:
             return
         self._manifest.commit(
             key,

@@ -1,0 +1,13 @@
+"""Activation spill: tensors saved for backward go to a TierStore during forward and come back
+before backward needs them (SSDTrain's mechanics, TERAIO's lifetime-aware plan).
+
+>>> from tierstore.activations import ActivationOffload
+>>> offload = ActivationOffload(store, budget="512MiB", min_bytes="1MiB", plan="lifetime")  # doctest: +SKIP
+>>> with offload:                                                                          # doctest: +SKIP
+...     loss = model(batch)
+>>> loss.backward()                                                                        # doctest: +SKIP
+"""
+
+from .offload import PLANS, ActivationOffload, Plan
+
+__all__ = ["PLANS", "ActivationOffload", "Plan"]
