@@ -16,8 +16,9 @@ tensor. On top of it, SSDTrain's mechanics:
 * each spilled object lives exactly as long as autograd's handles to it: it is deleted once the
   graph frees them, after backward or when a failed step's graph is dropped.
 
-TERAIO's lifetime-aware plan (``plan="lifetime"``): the first step spills everything and profiles
-each saved tensor's size, save time and first use; :func:`tierstore.model.plan_spill` then decides
+TERAIO's lifetime-aware plan (``plan="lifetime"``): the first steps spill everything and profile
+each saved tensor's size, save time and first use (two steps saving the same sequence: the first
+one warms up); :func:`tierstore.model.plan_spill` then decides
 which to keep in memory (the short-lived ones of the last layers) by replaying the step under this
 very policy with the tier's measured bandwidths. The plan is reused while the sequence of saved
 tensors stays the same and rebuilt from a fresh profile when it changes.
@@ -195,6 +196,7 @@ class ActivationOffload:
         """The step the current plan was built from."""
         self._profiling: _Step | None = None
         """The latest step that ran without a plan, to build the next plan from."""
+        self._previous_profile: _Step | None = None
         self._active: _Step | None = None
         self._live: list[_Step] = []
         """Steps some of whose saved tensors autograd may still hold."""
@@ -285,7 +287,7 @@ class ActivationOffload:
         if self.plan_mode == "all":
             return f"plan 'all': every other saved tensor is spilled and read back in reverse order; {rule}"
         if self._plan is None or self._profiled is None:
-            return f"plan 'lifetime': no plan yet, the first step profiles while spilling everything; {rule}"
+            return f"plan 'lifetime': no plan yet, the first two steps profile while spilling everything; {rule}"
         lines = [f"plan 'lifetime', built from step {self._profiled.number}; {rule}", self._plan.explain()]
         for entry in self._profiled.entries:
             used = entry.used_at if entry.used_at is not None else float("nan")
@@ -578,12 +580,17 @@ class ActivationOffload:
 
     # -- the plan ---------------------------------------------------------------------------------
     def _maybe_replan(self) -> None:
-        """Build a plan from the last step that ran without one, once its backward is done."""
+        """Build a plan from the last step that ran without one, once its backward is done and the
+        step before it saved the same sequence: the first step of a sequence warms allocators and
+        kernels up, and two alike show the sequence is stable enough to plan for."""
         with self._cond:
-            profiled = self._profiling
+            profiled, previous = self._profiling, self._previous_profile
             if self.plan_mode != "lifetime" or profiled is None or not profiled.profiled():
                 return
             self._profiling = None
+            self._previous_profile = profiled
+            if previous is None or _signature(previous) != _signature(profiled):
+                return
         tensors = [
             SavedTensor(e.nbytes, e.saved_at, e.used_at if e.used_at is not None else profiled.last_use)
             for e in profiled.entries
@@ -591,7 +598,7 @@ class ActivationOffload:
         plan = plan_spill(self._path_speeds(), self.budget, tensors, profiled.last_use)
         with self._cond:
             self._plan = plan
-            self._plan_signature = [(e.nbytes, e.dtype) for e in profiled.entries]
+            self._plan_signature = _signature(profiled)
             self._profiled = profiled
             self._stats["plans_built"] += 1
 
@@ -662,6 +669,11 @@ def _size(name: str, value: int | str) -> int:
     if size < 0:
         raise ConfigError(f"{name}: must be >= 0, got {value!r}")
     return size
+
+
+def _signature(step: _Step) -> list[tuple[int, torch.dtype]]:
+    """What a plan depends on: the sizes and dtypes of the saved storages, in save order."""
+    return [(entry.nbytes, entry.dtype) for entry in step.entries]
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:

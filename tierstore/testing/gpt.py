@@ -52,6 +52,8 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied, as in GPT-2
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.position.weight, std=0.02)
         self.checkpointed = checkpointed
         self.reentrant = reentrant
 
