@@ -439,16 +439,21 @@ class ActivationOffload:
         future.add_done_callback(lambda done: self._write_done(entry, done.exception()))
 
     def _write_staged(self, entry: _Entry, buffer: AlignedBuffer, copied: torch.cuda.Event) -> None:
-        """Background: once the device-to-host copy is done, write the pinned buffer to the store."""
-        error: BaseException | None = None
+        """Background: once the device-to-host copy is done, start writing the pinned buffer. The
+        buffer goes back to the pool before the offloader's lock is taken: a pack may be waiting
+        for it while holding that lock."""
+
+        def written(error: BaseException | None) -> None:
+            self._staging.release(buffer)
+            self._write_done(entry, error)
+
         try:
             copied.synchronize()
-            self.store.put(entry.key, buffer.view(entry.nbytes), scratch=True).result()
-        except BaseException as failure:
-            error = failure
-        finally:
-            self._staging.release(buffer)
-        self._write_done(entry, error)
+            future = self.store.put(entry.key, buffer.view(entry.nbytes), scratch=True)
+        except BaseException as error:
+            written(error)
+            return
+        future.add_done_callback(lambda done: written(done.exception()))
 
     def _write_done(self, entry: _Entry, error: BaseException | None) -> None:
         with self._cond:
