@@ -287,13 +287,15 @@ class ActivationOffload:
         if self.plan_mode == "all":
             return f"plan 'all': every other saved tensor is spilled and read back in reverse order; {rule}"
         if self._plan is None or self._profiled is None:
-            return f"plan 'lifetime': no plan yet, the first two steps profile while spilling everything; {rule}"
+            return (
+                f"plan 'lifetime': no plan yet, the first two steps profile while spilling everything; {rule}"
+            )
         lines = [f"plan 'lifetime', built from step {self._profiled.number}; {rule}", self._plan.explain()]
         for entry in self._profiled.entries:
             used = entry.used_at if entry.used_at is not None else float("nan")
             decision = "spill" if entry.index in self._plan.spill else "keep (lifetime too short to hide I/O)"
             lines.append(
-                f"  #{entry.index:<4} {entry.nbytes / 2**20:9.2f} MiB {str(entry.dtype):15} saved at "
+                f"  #{entry.index:<4} {entry.nbytes / 2**20:9.2f} MiB {entry.dtype!s:15} saved at "
                 f"{entry.saved_at * 1e3:8.1f} ms, used at {used * 1e3:8.1f} ms: {decision}"
             )
         return "\n".join(lines)
@@ -609,7 +611,7 @@ class ActivationOffload:
 
     def _path_speeds(self) -> list[PathSpeed]:
         """The first tier's paths as the store measures them."""
-        speeds = next(iter(self.store.bandwidths().values()), [])
+        speeds: list[PathSpeed] = next(iter(self.store.bandwidths().values()), [])
         if not speeds:
             raise ConfigError("the store's first tier has no bandwidth estimate to plan with yet")
         return speeds
@@ -618,7 +620,7 @@ class ActivationOffload:
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._side_streams.get(device)
         if stream is None:
-            stream = self._side_streams[device] = torch.cuda.Stream(device)
+            stream = self._side_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
 
     def _pinned(self, nbytes: int) -> AlignedBuffer:
@@ -638,7 +640,7 @@ class ActivationOffload:
         stream.wait_stream(torch.cuda.current_stream(data.device))
         with torch.cuda.stream(stream):
             buffer.view(data.numel()).copy_(data, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(stream)
         return buffer, copied
 
@@ -652,7 +654,7 @@ class ActivationOffload:
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             restored.copy_(buffer.view(nbytes), non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(stream)
         compute.wait_event(copied)
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 from common import log, metadata, parse_size, positive_int, run_benchmark
-
-from tierstore import Tier, TierStore
 from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
+
+from tierstore import Tier, TierStore
 from tierstore.testing.gpt import GPT, batch_of, byte_corpus
 
 VARIANTS = ("keep", "recompute", "tierstore-all", "tierstore-lifetime")
@@ -115,7 +115,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             }
             if offload is not None:
                 after = offload.stats()
-                for name in ("read_stall_s", "write_stall_s", "spilled_bytes", "read_bytes", "forwarded_bytes"):
+                for name in (
+                    "read_stall_s",
+                    "write_stall_s",
+                    "spilled_bytes",
+                    "read_bytes",
+                    "forwarded_bytes",
+                ):
                     row[name] = round(after[name] - before[name], 3)
                 row["predicted_step_s"] = after.get("predicted_step_s")
             rows.append(row)
@@ -167,7 +173,9 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
         }
         if variant.startswith("tierstore-"):
-            summary[variant]["spilled_bytes_per_step"] = statistics.median(row["spilled_bytes"] for row in steady)
+            summary[variant]["spilled_bytes_per_step"] = statistics.median(
+                row["spilled_bytes"] for row in steady
+            )
             summary[variant]["read_stall_s"] = statistics.median(row["read_stall_s"] for row in steady)
             summary[variant]["write_stall_s"] = statistics.median(row["write_stall_s"] for row in steady)
             predicted = [row["predicted_step_s"] for row in steady if row["predicted_step_s"]]

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
-from tierstore.testing.gpt import GPT
 
 from tierstore import ConfigError, Tier, TierStore
+from tierstore.testing.gpt import GPT
 
 LENGTH = 32
 KIB = 1024
@@ -55,7 +55,7 @@ def train_grads(
 
 
 def activation_keys(store: TierStore) -> list[str]:
-    return [key for key in store.keys() if key.startswith("activations/")]
+    return [key for key in store if key.startswith("activations/")]
 
 
 @pytest.mark.parametrize("plan", ["all", "lifetime"])
@@ -188,7 +188,9 @@ def test_a_failed_forward_leaks_neither_memory_nor_objects(store: TierStore) -> 
 
 
 @pytest.mark.parametrize("min_bytes", [0, "1GiB"], ids=["spilled", "kept"])
-def test_in_place_change_after_save_fails_backward_as_autograd_does(store: TierStore, min_bytes: object) -> None:
+def test_in_place_change_after_save_fails_backward_as_autograd_does(
+    store: TierStore, min_bytes: object
+) -> None:
     def run(offload: ActivationOffload | None) -> None:
         x = torch.randn(64, 64, requires_grad=True)
         hidden = x * 3
@@ -211,7 +213,9 @@ def test_lifetime_plan_reused_then_rebuilt_when_the_batch_changes(store: TierSto
     offload = ActivationOffload(store, budget="512KiB", min_bytes="16KiB", plan="lifetime")
     expected = train_grads(make_model(), None, steps=4)
     got = train_grads(model, offload, steps=4)
-    assert all(torch.equal(a, b) for s, t in zip(expected, got, strict=True) for a, b in zip(s, t, strict=True))
+    assert all(
+        torch.equal(a, b) for s, t in zip(expected, got, strict=True) for a, b in zip(s, t, strict=True)
+    )
     assert offload.stats()["plans_built"] == 1  # profiled in steps 1 and 2, built once, reused
     explained = offload.plan_explain()
     assert "predicted step" in explained and "spill" in explained

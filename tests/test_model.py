@@ -91,7 +91,8 @@ DISK = [PathSpeed("disk", read=1e9, write=1e9)]
 def layers(count: int, nbytes: int, forward: float, backward: float) -> list[SavedTensor]:
     """One tensor per layer, saved evenly through forward and used in reverse through backward."""
     return [
-        SavedTensor(nbytes, forward * i / count, forward + backward * (count - i) / count) for i in range(count)
+        SavedTensor(nbytes, forward * i / count, forward + backward * (count - i) / count)
+        for i in range(count)
     ]
 
 

@@ -305,7 +305,8 @@ def plan_spill(
         [
             f"{len(tensors)} saved tensors, {sum(t.nbytes for t in tensors) / 1e6:.1f} MB; budget "
             f"{budget / 1e6:.1f} MB; compute {compute_seconds:.3f} s per step",
-            "paths: " + ", ".join(f"{p.name} (read {p.read / 1e9:.2f}, write {p.write / 1e9:.2f} GB/s)" for p in paths),
+            "paths: "
+            + ", ".join(f"{p.name} (read {p.read / 1e9:.2f}, write {p.write / 1e9:.2f} GB/s)" for p in paths),
             f"keep {len(keep)} ({sum(tensors[i].nbytes for i in keep) / 1e6:.1f} MB): the shortest "
             "lifetimes, whose I/O would not hide behind compute",
             f"spill {len(spill)} ({spilled_bytes / 1e6:.1f} MB), read back in backward's order as the "

@@ -61,10 +61,8 @@ class GPT(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed(tokens) + self.position(positions)
         for index, block in enumerate(self.blocks):
-            if index in self.checkpointed:
-                x = checkpoint(block, x, use_reentrant=self.reentrant)
-            else:
-                x = block(x)
+            recompute = index in self.checkpointed
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if recompute else block(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
