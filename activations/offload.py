@@ -208,6 +208,8 @@ class ActivationOffload:
         self._stats: dict[str, float] = {
             "steps": 0,
             "peak_resident_bytes": 0,
+            "step_peak_resident_bytes": 0,
+            "step_saved_bytes": 0,
             "spilled_bytes": 0,
             "spilled_tensors": 0,
             "read_bytes": 0,
@@ -233,6 +235,8 @@ class ActivationOffload:
         self._active = _Step(next(self._steps), time.perf_counter(), self._plan)
         with self._cond:
             self._stats["steps"] += 1
+            self._stats["step_peak_resident_bytes"] = self._resident
+            self._stats["step_saved_bytes"] = 0
             self._live = [s for s in self._live if not all(e.dead for e in s.entries)]
             self._live.append(self._active)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -265,7 +269,9 @@ class ActivationOffload:
     # -- public -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters since creation: bytes spilled, read back, kept, deduplicated, forwarded; the
-        peak of resident saved bytes; seconds forward waited on writes and backward on reads."""
+        peak of resident saved bytes; seconds forward waited on writes and backward on reads. The
+        ``step_`` ones cover the latest step: its peak, and the bytes of the storages it saved
+        (what keeping everything in memory would hold at the end of its forward)."""
         with self._cond:
             stats: dict[str, Any] = dict(self._stats)
             stats["resident_bytes"] = self._resident
@@ -419,6 +425,7 @@ class ActivationOffload:
         )
         step.entries.append(entry)
         step.by_storage[storage._cdata] = entry
+        self._stats["step_saved_bytes"] += nbytes
         entry.counted = True
         self._occupy(nbytes)
         if spill:
@@ -573,6 +580,7 @@ class ActivationOffload:
     def _occupy(self, nbytes: int) -> None:
         self._resident += nbytes
         self._stats["peak_resident_bytes"] = max(self._stats["peak_resident_bytes"], self._resident)
+        self._stats["step_peak_resident_bytes"] = max(self._stats["step_peak_resident_bytes"], self._resident)
 
     def _drop_data(self, entry: _Entry) -> None:
         entry.data = entry.alias = None
