@@ -143,6 +143,7 @@ class ZarrBackend(Backend):
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
         array = self._array(name)
+        self._check_present(name)
         if self._raw(array):
             chunk = int(array.chunks[0])
             chunk_files = self._chunk_files(name)
@@ -173,6 +174,18 @@ class ZarrBackend(Backend):
             array = self._arrays.get(name) or self._open(name, missing_ok=False)
         assert array is not None
         return array
+
+    def _check_present(self, name: str) -> None:
+        """An array opened earlier outlives its files, and zarr reads absent chunks as zeros, so a
+        read checks that the object was not deleted behind the backend's back."""
+        if self.local_root is not None:
+            present = (self.local_root / name / "zarr.json").is_file()
+        else:
+            present = bool(sync(self.store.exists(f"{name}/zarr.json")))
+        if not present:
+            with self._lock:
+                self._arrays.pop(name, None)
+            raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
 
     def _open(self, name: str, *, missing_ok: bool) -> zarr.Array[Any] | None:
         """Open an existing array and remember it (caller holds the lock)."""

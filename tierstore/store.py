@@ -56,6 +56,7 @@ from .errors import (
     ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
+    MissingDataError,
     OutOfRangeError,
     StoreClosedError,
 )
@@ -570,6 +571,8 @@ class TierStore:
             placement.tier.read_into(placement, out, priority, verify=verify).result()
         except ChecksumError as error:
             raise ChecksumError(f"key {key!r}: {error}") from None
+        except MissingDataError as error:
+            raise MissingDataError(errno.ENOENT, f"key {key!r}: {error.strerror}") from None
         except OutOfRangeError as error:  # the file is shorter than the object it should hold
             raise BackendIOError(errno.EIO, f"key {key!r}: stored object is truncated ({error})") from None
 

@@ -15,6 +15,7 @@ only talks to tiers, never to backends.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import threading
@@ -30,7 +31,7 @@ from ._futures import when_all
 from .backends import Backend, open_backend
 from .bandwidth import Bandwidth, ProbeCache, ThroughputMeter, probe
 from .config import PathConfig, TierConfig
-from .errors import BackendIOError, ChecksumError, ConfigError, KeyNotFoundError
+from .errors import BackendIOError, ChecksumError, ConfigError, KeyNotFoundError, MissingDataError
 from .limits import Direction, NodeLimiter, PathScheduler, Priority
 from .placement import Extent
 
@@ -108,9 +109,30 @@ class TierPath:
         )
 
     def read_into(self, name: str, out: memoryview, priority: Priority) -> Future[None]:
-        return self.scheduler.submit(
+        """Read a whole object this path holds. The tier only reads objects it wrote, so an
+        absent one is lost data: :class:`MissingDataError`, never the backend's ``KeyError``."""
+        read = self.scheduler.submit(
             "read", priority, out.nbytes, lambda: self.backend.read_into(name, 0, out)
         )
+        result: Future[None] = Future()
+
+        def settle(done: Future[None]) -> None:
+            error = done.exception()
+            if isinstance(error, KeyNotFoundError):
+                result.set_exception(
+                    MissingDataError(
+                        errno.ENOENT,
+                        f"object {name} on path {self.name} ({self.backend!r}) is missing from its "
+                        f"medium ({error})",
+                    )
+                )
+            elif error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(None)
+
+        read.add_done_callback(settle)
+        return result
 
     def stats(self) -> dict[str, Any]:
         estimate = self.bandwidth()
