@@ -75,6 +75,34 @@ def test_non_contiguous_input(make_store: StoreFactory) -> None:
         assert torch.equal(store[key], view)
 
 
+LAZY_VIEWS = {  # dtype of the base, and the view: memory unchanged behind a conjugate or negative bit
+    "conj": (torch.complex64, lambda t: t.conj()),
+    "conj of a transpose": (torch.complex64, lambda t: t.t().conj()),
+    "imag of a conj (negative)": (torch.complex128, lambda t: t.conj().imag),
+    "negative view": (torch.float32, torch._neg_view),
+}
+
+
+@pytest.mark.parametrize("route", ["cached", "cache=False", "budget 0", "larger than the budget"])
+def test_conjugate_and_negative_views_round_trip(make_store: StoreFactory, route: str) -> None:
+    """Resolved before their bytes are taken, on every route that bypasses the cache, as sources
+    (put) and as destinations (get out=)."""
+    budget = {"budget 0": 0, "larger than the budget": 4096}.get(route, 1 << 20)
+    store = make_store(cache_budget=budget)
+    cache = route != "cache=False"
+    for key, (dtype, lazy) in LAZY_VIEWS.items():
+        view = lazy(random_tensor((64, 33), dtype))
+        assert view.is_conj() or view.is_neg()
+        expected = view.resolve_conj().resolve_neg().clone()
+        store.put(key, view, cache=cache).result()
+        assert torch.equal(view, expected)  # the caller's tensor is left as it was
+        assert store.info(key).cached == (route == "cached")
+        assert torch.equal(store.get(key, cache=cache).result(), expected), key
+        out = lazy(torch.zeros(64, 33, dtype=dtype))
+        assert store.get(key, out=out, cache=cache).result() is out
+        assert torch.equal(out, expected), key
+
+
 def test_put_is_ordered_before_later_get(make_store: StoreFactory) -> None:
     store = make_store(cache_budget=1 << 20)
     for version in range(20):

@@ -355,7 +355,7 @@ class TierStore:
     def _put(self, key: str, tensor: torch.Tensor, cache: bool) -> None:
         record = _Record(tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
         if not cache or not self._pool.fits(record.nbytes):  # straight to a tier
-            source = tensor.cpu().contiguous()
+            source = _materialized(tensor)
             record.persisted = self._write_to_tier(_bytes_of(source), Priority.CRITICAL)
             self._commit(key, record)
             return
@@ -578,7 +578,12 @@ class TierStore:
 
     def _read_direct(self, key: str, record: _Record, out: torch.Tensor | None) -> torch.Tensor:
         assert record.persisted is not None
-        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        direct = (
+            out is not None
+            and out.device.type == "cpu"
+            and out.is_contiguous()
+            and not (out.is_conj() or out.is_neg())  # a lazy view's memory is not its values
+        )
         destination = out if direct else torch.empty(record.shape, dtype=record.dtype)
         assert destination is not None
         self._read(key, record.persisted, _bytes_of(destination), Priority.CRITICAL)
@@ -716,6 +721,12 @@ def _check_out(key: str, record: _Record, out: torch.Tensor) -> None:
             f"get({key!r}): out is {out.dtype} {tuple(out.shape)} but the object is "
             f"{record.dtype} {record.shape}"
         )
+
+
+def _materialized(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor holding ``tensor``'s values: conjugate and negative views keep
+    their memory unchanged behind a flag, so their bytes are not their values until resolved."""
+    return tensor.cpu().resolve_conj().resolve_neg().contiguous()
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
