@@ -38,7 +38,7 @@ from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
 from .._futures import when_all
-from ..errors import BackendIOError, KeyNotFoundError
+from ..errors import BackendIOError, ConfigError, KeyNotFoundError
 from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
 
 LOCAL_PROTOCOLS = (None, "file", "local")
@@ -73,7 +73,10 @@ class ZarrBackend(Backend):
             self.local_root = prepare_root(Path(path), "zarr")
             self.store: LocalStore | FsspecStore = LocalStore(self.local_root)
         else:
-            self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
+            try:
+                self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
+            except (ValueError, ImportError) as error:  # unknown protocol, or its package missing
+                raise ConfigError(f"zarr: cannot open url {options.url!r}: {error}") from None
         self._persistent = protocol != "memory"
         self._chunk = int(options.chunk_bytes)
         self._arrays: dict[str, zarr.Array[Any]] = {}
