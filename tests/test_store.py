@@ -12,6 +12,7 @@ from tierstore import (
     BackendIOError,
     BufferMismatchError,
     CapacityError,
+    ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
     StoreClosedError,
@@ -257,6 +258,97 @@ def test_closed_store(make_store: StoreFactory) -> None:
     for call in (lambda: store.put("y", torch.ones(1)), lambda: store.get("x"), store.flush):
         with pytest.raises(StoreClosedError):
             call()
+    every_other_call = {  # not KeyNotFoundError, an empty key list or False: the store is closed
+        "info": lambda: store.info("x"),
+        "keys": store.keys,
+        "contains": lambda: store.contains("x"),
+        "in": lambda: "x" in store,
+        "len": lambda: len(store),
+        "iter": lambda: list(store),
+        "getitem": lambda: store["x"],
+        "setitem": lambda: store.__setitem__("x", torch.ones(1)),
+        "delitem": lambda: store.__delitem__("x"),
+        "delete": lambda: store.delete("x"),
+        "prefetch": lambda: store.prefetch(["x"]),
+    }
+    for name, call in every_other_call.items():
+        with pytest.raises(StoreClosedError):
+            call()
+            pytest.fail(f"{name} after close")
+    (tier_stats,) = store.stats()["tiers"].values()  # still readable, for a final report
+    assert tier_stats["bytes_written"] == 40
+    store.close()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            {"tiers": []},
+            r"^tiers: a TierStore needs a non-empty list of Tier or Backend objects \(open 'dram://'",
+        ),
+        ({"tiers": ["dram://"]}, r"^tiers\.0: expected a Tier or a Backend, got str"),
+        ({"policy": "bogus"}, r"^policy: must be 'write-back' or 'write-through', not 'bogus'"),
+        ({"workers": 0}, r"^workers: must be an integer >= 1, not 0"),
+        ({"workers": True}, r"^workers: must be an integer >= 1, not True"),
+        ({"cache_budget": True}, r"^cache_budget: must be a number of bytes >= 0, not True"),
+        ({"cache_budget": -1}, r"^cache_budget: must be a number of bytes >= 0, not -1"),
+        ({"cache_budget": 1.5}, r"^cache_budget: must be a number of bytes >= 0, not 1\.5"),
+        ({"verify": "never"}, r"^verify: must be 'always', 'sampled' or 'off', not 'never'"),
+    ],
+)
+def test_bad_constructor_arguments_are_config_errors_naming_them(
+    arguments: dict[str, object], message: str
+) -> None:
+    backend = DramBackend(DramOptions())
+    with pytest.raises(ConfigError, match=message):
+        TierStore(**{"tiers": [backend], **arguments})  # type: ignore[arg-type]
+    assert not backend.closed  # nothing was taken over
+
+
+def test_the_empty_budget_and_a_budget_of_several_gigabytes_are_fine() -> None:
+    for budget in (0, 8 << 30):
+        with TierStore([DramBackend(DramOptions())], cache_budget=budget) as store:
+            store["x"] = torch.ones(3)
+            assert torch.equal(store["x"], torch.ones(3))
+
+
+UNSTORABLE = {
+    "meta": (lambda: torch.empty(3, device="meta"), "meta tensors have no data"),
+    "quantized": (
+        lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+        "quantized tensors are not supported",
+    ),
+    "nested": (
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "nested tensors are not supported",
+    ),
+    "sparse": (lambda: torch.ones(3).to_sparse(), "only dense \\(strided\\) tensors .* not torch.sparse_coo"),
+    "sparse csr": (lambda: torch.eye(3).to_sparse_csr(), "only dense .* not torch.sparse_csr"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNSTORABLE))
+def test_tensors_without_plain_memory_are_refused_and_nothing_is_written(
+    make_store: StoreFactory, kind: str
+) -> None:
+    make, reason = UNSTORABLE[kind]
+    store = make_store(cache_budget=0)
+    store["k"] = torch.arange(3.0)
+    tensor = make()
+    with pytest.raises(BufferMismatchError, match=rf"put\('k'\): {reason}"):
+        store.put("k", tensor)
+    assert torch.equal(store["k"], torch.arange(3.0)) and len(tier_objects(store)) == 1
+    if not tensor.is_quantized:  # a quantized out already differs in dtype
+        with pytest.raises(BufferMismatchError, match=rf"get\('k'\): out: {reason}"):
+            store.get("k", out=tensor)
+
+
+def test_prefetch_of_one_string_is_refused(make_store: StoreFactory) -> None:
+    store = make_store()
+    store["layer"] = torch.ones(3)
+    with pytest.raises(InvalidKeyError, match=r"not one string: use \['layer'\]"):
+        store.prefetch("layer")  # type: ignore[arg-type]
 
 
 def test_close_removes_tier_objects(tmp_path: Path) -> None:

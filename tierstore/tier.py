@@ -18,6 +18,7 @@ import contextlib
 import errno
 import json
 import logging
+import numbers
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -176,6 +177,20 @@ class Tier:
             raise ConfigError(f"tier {name!r} needs at least one path")
         if placement not in ("stripe", "place"):
             raise ConfigError(f"tier {name!r}: placement must be 'stripe' or 'place', not {placement!r}")
+        if stripe_by not in ("round-trip", "write", "read"):
+            raise ConfigError(
+                f"tier {name!r}: stripe_by must be 'round-trip', 'write' or 'read', not {stripe_by!r}"
+            )
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 0
+        ):
+            raise ConfigError(f"tier {name!r}: capacity must be bytes >= 0 or None, not {capacity!r}")
+        for index, path in enumerate(paths):
+            if not isinstance(path, (TierPath, Backend)):
+                raise ConfigError(
+                    f"tier {name!r}: paths.{index} must be a TierPath or a Backend, not "
+                    f"{type(path).__name__} (Tier.from_config opens backends from URLs)"
+                )
         self.name = name
         self.paths = [
             path if isinstance(path, TierPath) else TierPath(f"{name}.{index}", path)
