@@ -567,3 +567,15 @@ def test_damaged_manifests_snapshots_and_fault_requests_are_typed_errors(tmp_pat
         assert isinstance(backend, FaultBackend)
         with pytest.raises(ConfigError, match="operation"):
             backend.inject("rename", errno.EIO)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="True is not an errno"):
+            backend.inject("read", True)  # would be EPERM (1)
+        with pytest.raises(ConfigError, match="count True is below 1"):
+            backend.inject("read", errno.EIO, count=True)
+
+
+def test_exporting_one_string_of_keys_is_refused(tmp_path: Path) -> None:
+    with TierStore([Tier("ram", open_backend("dram://"))]) as store:
+        store["layer"] = torch.ones(3)
+        with pytest.raises(InvalidKeyError, match=r"not one string: use \['layer'\]"):
+            export_hdf5(store, tmp_path / "s.h5", keys="layer")
+        assert not list(tmp_path.iterdir())

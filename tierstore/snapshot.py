@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 import torch
 
-from .errors import BufferMismatchError
+from .errors import BufferMismatchError, InvalidKeyError
 from .store import TierStore
 
 FORMAT = 1
@@ -36,6 +36,8 @@ def export_hdf5(
 ) -> int:
     """Write ``keys`` (default: every committed key) and ``metadata`` (JSON-serialisable, e.g. an
     optimizer's step count) to ``path``; returns the object count."""
+    if isinstance(keys, str):  # iterating it would export one key per character
+        raise InvalidKeyError(f"export_hdf5 takes an iterable of keys, not one string: use [{keys!r}]")
     store.flush()
     target = Path(path)
     temporary = target.with_name(f".{target.name}.tmp")
