@@ -576,6 +576,6 @@ def test_damaged_manifests_snapshots_and_fault_requests_are_typed_errors(tmp_pat
 def test_exporting_one_string_of_keys_is_refused(tmp_path: Path) -> None:
     with TierStore([Tier("ram", open_backend("dram://"))]) as store:
         store["layer"] = torch.ones(3)
-        with pytest.raises(InvalidKeyError, match=r"not one string: use \['layer'\]"):
+        with pytest.raises(InvalidKeyError, match=r"keys or None, not 'layer': use \[key\]"):
             export_hdf5(store, tmp_path / "s.h5", keys="layer")
         assert not list(tmp_path.iterdir())

@@ -347,8 +347,12 @@ def test_tensors_without_plain_memory_are_refused_and_nothing_is_written(
 def test_prefetch_of_one_string_is_refused(make_store: StoreFactory) -> None:
     store = make_store()
     store["layer"] = torch.ones(3)
-    with pytest.raises(InvalidKeyError, match=r"not one string: use \['layer'\]"):
-        store.prefetch("layer")  # type: ignore[arg-type]
+    for wrong in ("layer", None, 3):
+        with pytest.raises(
+            InvalidKeyError, match=rf"prefetch takes an iterable of keys, not {wrong!r}: use \[key\]"
+        ):
+            store.prefetch(wrong)  # type: ignore[arg-type]
+    store.prefetch(["layer"]).result()
 
 
 def test_close_removes_tier_objects(tmp_path: Path) -> None:

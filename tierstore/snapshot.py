@@ -36,8 +36,9 @@ def export_hdf5(
 ) -> int:
     """Write ``keys`` (default: every committed key) and ``metadata`` (JSON-serialisable, e.g. an
     optimizer's step count) to ``path``; returns the object count."""
-    if isinstance(keys, str):  # iterating it would export one key per character
-        raise InvalidKeyError(f"export_hdf5 takes an iterable of keys, not one string: use [{keys!r}]")
+    one_string = isinstance(keys, str)  # iterating it would export one key per character
+    if one_string or not (keys is None or isinstance(keys, Iterable)):
+        raise InvalidKeyError(f"export_hdf5 takes an iterable of keys or None, not {keys!r}: use [key]")
     store.flush()
     target = Path(path)
     temporary = target.with_name(f".{target.name}.tmp")

@@ -218,8 +218,8 @@ class TierStore:
         Objects larger than the whole cache budget raise :class:`CapacityError` through the future.
         """
         self._check_open()
-        if isinstance(keys, str):  # iterating it would prefetch one key per character
-            raise InvalidKeyError(f"prefetch takes an iterable of keys, not one string: use [{keys!r}]")
+        if isinstance(keys, str) or not isinstance(keys, Iterable):  # a str is one key per character
+            raise InvalidKeyError(f"prefetch takes an iterable of keys, not {keys!r}: use [key]")
         keys = list(keys)
         for key in keys:
             self._check_known(key)
