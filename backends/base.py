@@ -35,12 +35,22 @@ from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from ..buffers import ALIGNMENT
+from ..config import refuse_bool_as_number
 from ..errors import (
     AlignmentError,
     BufferMismatchError,
+    ConfigError,
     InvalidKeyError,
     OutOfRangeError,
     StoreClosedError,
@@ -96,9 +106,14 @@ def prepare_root(root: Path, scheme: str) -> Path:
 
 
 class BackendOptions(BaseModel):
-    """Base of every backend's options; unknown fields are errors."""
+    """Base of every backend's options; unknown fields are errors, and so is a bool for a number."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool_as_number(cls, value, info)
 
 
 class Backend(ABC):
@@ -124,7 +139,10 @@ class Backend(ABC):
             validated = cls.Options.model_validate(dict(options))
         except ValidationError as error:
             raise config_error_from_validation(error, where) from None
-        return cls(validated)
+        try:
+            return cls(validated)
+        except ConfigError as error:  # an option valid alone but not here: say where it came from
+            raise ConfigError(f"{where}: {error}") from None
 
     @classmethod
     def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:

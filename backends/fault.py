@@ -52,7 +52,11 @@ class FaultBackend(WrapperBackend):
         ``torn`` write stores the first half of its bytes before failing."""
         if operation not in ("write", "read", "delete"):
             raise ConfigError(f"fault: operation must be 'write', 'read' or 'delete', not {operation!r}")
-        if code not in errnos.errorcode or (count is not None and count < 1):
+        if (
+            isinstance(code, bool)  # True == 1 would pass for EPERM
+            or code not in errnos.errorcode
+            or (count is not None and (isinstance(count, bool) or count < 1))
+        ):
             raise ConfigError(f"fault: {code!r} is not an errno, or count {count!r} is below 1")
         with self._lock:
             self._faults[operation] = _Fault(code, count, torn)

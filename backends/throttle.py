@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pydantic import ByteSize, Field
 
+from ..errors import ConfigError
 from .base import BackendOptions, WrapperBackend, WrapperOptions
 
 
@@ -80,6 +81,11 @@ class ThrottleBackend(WrapperBackend):
 
     def set_rates(self, *, read: float | None = None, write: float | None = None) -> None:
         """New rates in bytes/s (None leaves that direction unchanged)."""
+        for direction, rate in (("read", read), ("write", write)):
+            if rate is not None and (
+                isinstance(rate, bool) or not isinstance(rate, int | float) or rate <= 0
+            ):
+                raise ConfigError(f"throttle: {direction} must be bytes/s above 0 or None, not {rate!r}")
         if read is not None:
             self._pacers["read"].set_rate(read)
         if write is not None:

@@ -38,7 +38,7 @@ from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
 from .._futures import when_all
-from ..errors import BackendIOError, KeyNotFoundError
+from ..errors import BackendIOError, ConfigError, KeyNotFoundError
 from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
 
 LOCAL_PROTOCOLS = (None, "file", "local")
@@ -73,7 +73,10 @@ class ZarrBackend(Backend):
             self.local_root = prepare_root(Path(path), "zarr")
             self.store: LocalStore | FsspecStore = LocalStore(self.local_root)
         else:
-            self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
+            try:
+                self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
+            except (ValueError, ImportError) as error:  # unknown protocol, or its package missing
+                raise ConfigError(f"zarr: cannot open url {options.url!r}: {error}") from None
         self._persistent = protocol != "memory"
         self._chunk = int(options.chunk_bytes)
         self._arrays: dict[str, zarr.Array[Any]] = {}
@@ -143,6 +146,7 @@ class ZarrBackend(Backend):
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
         array = self._array(name)
+        self._check_present(name)
         if self._raw(array):
             chunk = int(array.chunks[0])
             chunk_files = self._chunk_files(name)
@@ -173,6 +177,18 @@ class ZarrBackend(Backend):
             array = self._arrays.get(name) or self._open(name, missing_ok=False)
         assert array is not None
         return array
+
+    def _check_present(self, name: str) -> None:
+        """An array opened earlier outlives its files, and zarr reads absent chunks as zeros, so a
+        read checks that the object was not deleted behind the backend's back."""
+        if self.local_root is not None:
+            present = (self.local_root / name / "zarr.json").is_file()
+        else:
+            present = bool(sync(self.store.exists(f"{name}/zarr.json")))
+        if not present:
+            with self._lock:
+                self._arrays.pop(name, None)
+            raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
 
     def _open(self, name: str, *, missing_ok: bool) -> zarr.Array[Any] | None:
         """Open an existing array and remember it (caller holds the lock)."""

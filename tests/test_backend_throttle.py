@@ -7,6 +7,7 @@ from tierstore.backends import Backend, open_backend
 from tierstore.backends.dram import DramBackend
 from tierstore.backends.throttle import Pacer, ThrottleBackend
 
+from tierstore import ConfigError
 from tierstore.testing import BackendTests
 
 
@@ -60,6 +61,12 @@ def test_rates_change_at_run_time() -> None:
         assert isinstance(backend, ThrottleBackend)
         backend.set_rates(write=250e6)
         assert backend.rates() == {"read": None, "write": 250e6}
+        for wrong in (0, -1.0, True):  # a division by zero in a worker, or a hang at 1 byte/s
+            with pytest.raises(
+                ConfigError, match=rf"throttle: read must be bytes/s above 0 or None, not {wrong}"
+            ):
+                backend.set_rates(read=wrong)
+        assert backend.rates() == {"read": None, "write": 250e6}
 
 
 def test_unlimited_pacer_never_sleeps() -> None:
@@ -84,7 +91,5 @@ def test_concurrent_pieces_share_the_rate() -> None:
 
 
 def test_throttle_needs_a_valid_inner_backend() -> None:
-    from tierstore import ConfigError
-
     with pytest.raises(ConfigError, match=r"throttle\.inner"):
         open_backend({"type": "throttle", "inner": {"path": "/x"}})

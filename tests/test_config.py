@@ -1,10 +1,12 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from tierstore import ConfigError, TierStore, UnwritablePathError, default_config, load_config
+from tierstore.config import parse_byte_size
 
 
 def nvme_config(path: Path, **cache: object) -> dict[str, object]:
@@ -92,11 +94,53 @@ def test_backend_given_as_table(tmp_path: Path) -> None:
         ({"tiers": [{"name": "a", "backend": {"path": "/x"}}]}, r"tiers\.0\.backend\.type: missing"),
         ({"tiers": [{"name": "a", "backend": "nvme:///x?queue_depth=0"}]}, r"tiers\.0\.backend\.queue_depth"),
         ({"tiers": [{"name": "a", "backend": "dram://?size=3"}]}, r"tiers\.0\.backend\.size: Extra inputs"),
+        (
+            {"tiers": [{"name": "a", "backend": "zarr+nosuchproto://x"}]},
+            r"tiers\.0\.backend: zarr: cannot open url 'nosuchproto://x': Protocol not known",
+        ),
     ],
 )
 def test_invalid_configs_name_the_field(config: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TierStore.from_config(config)
+
+
+BOOLEAN_NUMBERS = {  # pydantic alone reads true as 1: one byte, one thread, one request...
+    "cache.budget": {"cache": {"budget": True}},
+    "workers": {"workers": True},
+    "tiers.0.capacity": {"tiers": [{"name": "a", "backend": "dram://", "capacity": True}]},
+    "tiers.0.paths.0.max_reads": {
+        "tiers": [{"name": "a", "paths": [{"backend": "dram://", "max_reads": True}]}]
+    },
+    "tiers.0.paths.0.bandwidth.read": {
+        "tiers": [{"name": "a", "paths": [{"backend": "dram://", "bandwidth": {"read": True, "write": 1}}]}]
+    },
+    "tiers.0.backend.chunk_bytes": {
+        "tiers": [{"name": "a", "backend": {"type": "nvme", "path": "/nonexistent", "chunk_bytes": False}}]
+    },
+    "tiers.0.backend.queue_depth": {
+        "tiers": [{"name": "a", "backend": {"type": "nvme", "path": "/nonexistent", "queue_depth": True}}]
+    },
+}
+
+
+@pytest.mark.parametrize("field", list(BOOLEAN_NUMBERS))
+def test_a_boolean_is_never_a_size_or_count(field: str) -> None:
+    config = {"tiers": [{"name": "a", "backend": "dram://"}], **BOOLEAN_NUMBERS[field]}
+    with pytest.raises(ConfigError, match=re.escape(field) + ": .*not the boolean"):
+        TierStore.from_config(config)
+
+
+def test_a_boolean_size_in_a_toml_file_or_from_python_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text('[cache]\nbudget = true\n[[tiers]]\nname = "a"\nbackend = "dram://"\n')
+    with pytest.raises(ConfigError, match=r"cache\.budget: .*not the boolean true"):
+        load_config(tmp_path / "c.toml")
+    with pytest.raises(ConfigError, match="True is not a size"):
+        parse_byte_size(True)
+    assert parse_byte_size(4096) == 4096 and parse_byte_size("1KiB") == 1024
+    # where a field is a bool, a bool is still welcome
+    config = {"cache": {"cache_reads": False}, "tiers": [{"name": "a", "backend": "dram://", "adapt": False}]}
+    assert not load_config(config).cache.cache_reads
 
 
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from tierstore import (
     ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
+    MissingDataError,
     StoreConfig,
     StoreLockedError,
     Tier,
@@ -165,6 +167,82 @@ def test_a_truncated_file_is_a_typed_error(tmp_path: Path) -> None:
     os.truncate(file, 1000)
     with TierStore.from_config(config) as store, pytest.raises(BackendIOError):
         store.get("cut", cache=False).result()
+
+
+BACKEND_URLS = {
+    "nvme": "nvme://{root}?chunk_bytes=64KiB",
+    "zarr": "zarr+file://{root}?chunk_bytes=64KiB",
+    "adios2": "adios2://{root}",
+}
+
+
+def remove_backing_object(root: Path, name: str) -> None:
+    """Delete an object's file (nvme) or directory (zarr array, ADIOS2 .bp) behind the store's back."""
+    for entry in root.iterdir():
+        if entry.name in (name, f"{name}.bp"):
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            return
+    raise AssertionError(f"no backing object {name} in {root}")
+
+
+@pytest.mark.parametrize("kind", list(BACKEND_URLS))
+def test_a_deleted_backing_object_is_lost_data_not_a_missing_key(tmp_path: Path, kind: str) -> None:
+    """``except KeyError`` must not mistake data loss for an absent key, through any read route."""
+    root = tmp_path / kind
+    config = persistent(tmp_path)
+    config["tiers"] = [{"name": kind, "backend": BACKEND_URLS[kind].format(root=root)}]
+    value = torch.arange(50_000, dtype=torch.int32)
+
+    def check_lost(read: Any, name: str) -> None:
+        where = rf"key 'lost': object {name} on path {kind}\.0 "
+        with pytest.raises(MissingDataError, match=where) as caught:
+            read()
+        assert not isinstance(caught.value, KeyError) and caught.value.errno == errno.ENOENT
+        assert str(root) in str(caught.value)  # the directory the object was in
+
+    with TierStore.from_config(config) as store:
+        for key in ("lost", "kept"):
+            store.put(key, value, cache=False).result()
+        name = _name(store, "lost")
+        remove_backing_object(root, name)
+        for read in (
+            lambda: store.get("lost", cache=False).result(),
+            lambda: store.get("lost", out=torch.empty_like(value), cache=False).result(),
+            lambda: store.get("lost").result(),  # through a cache buffer
+            lambda: store.prefetch(["lost"]).result(),
+        ):
+            check_lost(read, name)
+        assert "lost" in store and not store.info("lost").cached
+        assert torch.equal(store["kept"], value)
+    with TierStore.from_config(config) as store:  # the manifest still lists it after reopen
+        assert sorted(store.keys()) == ["kept", "lost"]
+        check_lost(lambda: store["lost"], name)
+        del store["lost"]  # the way out: forget the lost object
+        assert store.keys() == ["kept"] and torch.equal(store["kept"], value)
+
+
+def test_a_lost_extent_of_a_striped_object_names_its_path(tmp_path: Path) -> None:
+    config = {
+        "cache": {"budget": 0},
+        "tiers": [
+            {
+                "name": "v",
+                "paths": [
+                    {"name": "a", "backend": f"nvme://{tmp_path / 'a'}"},
+                    {"name": "b", "backend": f"nvme://{tmp_path / 'b'}"},
+                ],
+            }
+        ],
+    }
+    with TierStore.from_config(config) as store:
+        store["x"] = torch.arange(1 << 18, dtype=torch.int32)
+        assert [e["path"] for e in store.info("x").extents] == ["a", "b"]
+        (tmp_path / "b" / _name(store, "x")).unlink()
+        with pytest.raises(MissingDataError, match=rf"key 'x': object {_name(store, 'x')} on path b "):
+            store["x"]
 
 
 # -- crashes ----------------------------------------------------------------------------------------
@@ -489,3 +567,15 @@ def test_damaged_manifests_snapshots_and_fault_requests_are_typed_errors(tmp_pat
         assert isinstance(backend, FaultBackend)
         with pytest.raises(ConfigError, match="operation"):
             backend.inject("rename", errno.EIO)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="True is not an errno"):
+            backend.inject("read", True)  # would be EPERM (1)
+        with pytest.raises(ConfigError, match="count True is below 1"):
+            backend.inject("read", errno.EIO, count=True)
+
+
+def test_exporting_one_string_of_keys_is_refused(tmp_path: Path) -> None:
+    with TierStore([Tier("ram", open_backend("dram://"))]) as store:
+        store["layer"] = torch.ones(3)
+        with pytest.raises(InvalidKeyError, match=r"keys or None, not 'layer': use \[key\]"):
+            export_hdf5(store, tmp_path / "s.h5", keys="layer")
+        assert not list(tmp_path.iterdir())

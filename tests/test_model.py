@@ -2,6 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tierstore import ConfigError
 from tierstore.model import (
     PathSpeed,
     SavedTensor,
@@ -75,13 +76,15 @@ def test_compute_bound_pass() -> None:
 
 @pytest.mark.parametrize("paths", [[], [PathSpeed("bad", 0, 1)]])
 def test_bad_paths(paths: list[PathSpeed]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as raised:
         stripe_weights(paths)
+    assert isinstance(raised.value, ConfigError) and str(raised.value).startswith("paths: ")
 
 
 def test_bad_order() -> None:
-    with pytest.raises(ValueError, match="order"):
+    with pytest.raises(ValueError, match="order") as raised:
         plan_pass([NVME], 100, [1, 2], order=[0, 0])
+    assert isinstance(raised.value, ConfigError)
 
 
 # -- activation spill plans ------------------------------------------------------------------------

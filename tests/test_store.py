@@ -12,6 +12,7 @@ from tierstore import (
     BackendIOError,
     BufferMismatchError,
     CapacityError,
+    ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
     StoreClosedError,
@@ -73,6 +74,34 @@ def test_non_contiguous_input(make_store: StoreFactory) -> None:
         store[key] = view
     for key, view in views.items():
         assert torch.equal(store[key], view)
+
+
+LAZY_VIEWS = {  # dtype of the base, and the view: memory unchanged behind a conjugate or negative bit
+    "conj": (torch.complex64, lambda t: t.conj()),
+    "conj of a transpose": (torch.complex64, lambda t: t.t().conj()),
+    "imag of a conj (negative)": (torch.complex128, lambda t: t.conj().imag),
+    "negative view": (torch.float32, torch._neg_view),
+}
+
+
+@pytest.mark.parametrize("route", ["cached", "cache=False", "budget 0", "larger than the budget"])
+def test_conjugate_and_negative_views_round_trip(make_store: StoreFactory, route: str) -> None:
+    """Resolved before their bytes are taken, on every route that bypasses the cache, as sources
+    (put) and as destinations (get out=)."""
+    budget = {"budget 0": 0, "larger than the budget": 4096}.get(route, 1 << 20)
+    store = make_store(cache_budget=budget)
+    cache = route != "cache=False"
+    for key, (dtype, lazy) in LAZY_VIEWS.items():
+        view = lazy(random_tensor((64, 33), dtype))
+        assert view.is_conj() or view.is_neg()
+        expected = view.resolve_conj().resolve_neg().clone()
+        store.put(key, view, cache=cache).result()
+        assert torch.equal(view, expected)  # the caller's tensor is left as it was
+        assert store.info(key).cached == (route == "cached")
+        assert torch.equal(store.get(key, cache=cache).result(), expected), key
+        out = lazy(torch.zeros(64, 33, dtype=dtype))
+        assert store.get(key, out=out, cache=cache).result() is out
+        assert torch.equal(out, expected), key
 
 
 def test_put_is_ordered_before_later_get(make_store: StoreFactory) -> None:
@@ -229,6 +258,101 @@ def test_closed_store(make_store: StoreFactory) -> None:
     for call in (lambda: store.put("y", torch.ones(1)), lambda: store.get("x"), store.flush):
         with pytest.raises(StoreClosedError):
             call()
+    every_other_call = {  # not KeyNotFoundError, an empty key list or False: the store is closed
+        "info": lambda: store.info("x"),
+        "keys": store.keys,
+        "contains": lambda: store.contains("x"),
+        "in": lambda: "x" in store,
+        "len": lambda: len(store),
+        "iter": lambda: list(store),
+        "getitem": lambda: store["x"],
+        "setitem": lambda: store.__setitem__("x", torch.ones(1)),
+        "delitem": lambda: store.__delitem__("x"),
+        "delete": lambda: store.delete("x"),
+        "prefetch": lambda: store.prefetch(["x"]),
+    }
+    for name, call in every_other_call.items():
+        with pytest.raises(StoreClosedError):
+            call()
+            pytest.fail(f"{name} after close")
+    (tier_stats,) = store.stats()["tiers"].values()  # still readable, for a final report
+    assert tier_stats["bytes_written"] == 40
+    store.close()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            {"tiers": []},
+            r"^tiers: a TierStore needs a non-empty list of Tier or Backend objects \(open 'dram://'",
+        ),
+        ({"tiers": ["dram://"]}, r"^tiers\.0: expected a Tier or a Backend, got str"),
+        ({"policy": "bogus"}, r"^policy: must be 'write-back' or 'write-through', not 'bogus'"),
+        ({"workers": 0}, r"^workers: must be an integer >= 1, not 0"),
+        ({"workers": True}, r"^workers: must be an integer >= 1, not True"),
+        ({"cache_budget": True}, r"^cache_budget: must be a number of bytes >= 0, not True"),
+        ({"cache_budget": -1}, r"^cache_budget: must be a number of bytes >= 0, not -1"),
+        ({"cache_budget": 1.5}, r"^cache_budget: must be a number of bytes >= 0, not 1\.5"),
+        ({"verify": "never"}, r"^verify: must be 'always', 'sampled' or 'off', not 'never'"),
+    ],
+)
+def test_bad_constructor_arguments_are_config_errors_naming_them(
+    arguments: dict[str, object], message: str
+) -> None:
+    backend = DramBackend(DramOptions())
+    with pytest.raises(ConfigError, match=message):
+        TierStore(**{"tiers": [backend], **arguments})  # type: ignore[arg-type]
+    assert not backend.closed  # nothing was taken over
+
+
+def test_the_empty_budget_and_a_budget_of_several_gigabytes_are_fine() -> None:
+    for budget in (0, 8 << 30):
+        with TierStore([DramBackend(DramOptions())], cache_budget=budget) as store:
+            store["x"] = torch.ones(3)
+            assert torch.equal(store["x"], torch.ones(3))
+
+
+UNSTORABLE = {
+    "meta": (lambda: torch.empty(3, device="meta"), "meta tensors have no data"),
+    "quantized": (
+        lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+        "quantized tensors are not supported",
+    ),
+    "nested": (
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "nested tensors are not supported",
+    ),
+    "sparse": (lambda: torch.ones(3).to_sparse(), "only dense \\(strided\\) tensors .* not torch.sparse_coo"),
+    "sparse csr": (lambda: torch.eye(3).to_sparse_csr(), "only dense .* not torch.sparse_csr"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNSTORABLE))
+def test_tensors_without_plain_memory_are_refused_and_nothing_is_written(
+    make_store: StoreFactory, kind: str
+) -> None:
+    make, reason = UNSTORABLE[kind]
+    store = make_store(cache_budget=0)
+    store["k"] = torch.arange(3.0)
+    tensor = make()
+    with pytest.raises(BufferMismatchError, match=rf"put\('k'\): {reason}"):
+        store.put("k", tensor)
+    assert torch.equal(store["k"], torch.arange(3.0)) and len(tier_objects(store)) == 1
+    if not tensor.is_quantized:  # a quantized out already differs in dtype
+        with pytest.raises(BufferMismatchError, match=rf"get\('k'\): out: {reason}"):
+            store.get("k", out=tensor)
+
+
+def test_prefetch_of_one_string_is_refused(make_store: StoreFactory) -> None:
+    store = make_store()
+    store["layer"] = torch.ones(3)
+    for wrong in ("layer", None, 3):
+        with pytest.raises(
+            InvalidKeyError, match=rf"prefetch takes an iterable of keys, not {wrong!r}: use \[key\]"
+        ):
+            store.prefetch(wrong)  # type: ignore[arg-type]
+    store.prefetch(["layer"]).result()
 
 
 def test_close_removes_tier_objects(tmp_path: Path) -> None:

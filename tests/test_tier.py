@@ -9,7 +9,7 @@ import torch
 from tierstore.backends import open_backend
 from tierstore.backends.dram import DramBackend, DramOptions
 
-from tierstore import BackendIOError, Tier, TierStore
+from tierstore import BackendIOError, ConfigError, Tier, TierStore
 from tierstore.bandwidth import Bandwidth
 from tierstore.limits import Priority
 from tierstore.tier import TierPath
@@ -209,3 +209,19 @@ def test_timeline_accounts_for_every_byte() -> None:
     moved = sum(gbps * 1e9 * 0.01 for _, gbps in points)
     assert moved == pytest.approx(2 * 3 * (2 << 20), rel=0.01)  # written and read back
     path.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"capacity": True}, r"capacity must be bytes >= 0 or None, not True"),
+        ({"capacity": -1}, r"capacity must be bytes >= 0 or None, not -1"),
+        ({"stripe_by": "latency"}, r"stripe_by must be 'round-trip', 'write' or 'read', not 'latency'"),
+        ({"paths": ["dram://"]}, r"paths\.0 must be a TierPath or a Backend, not str"),
+        ({"paths": "dram://"}, r"paths\.0 must be a TierPath or a Backend, not str"),
+    ],
+)
+def test_bad_tier_arguments_are_config_errors(options: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"paths": [DramBackend(DramOptions())], **options}
+    with pytest.raises(ConfigError, match=rf"tier 't': {message}"):
+        Tier("t", **arguments)  # type: ignore[arg-type]

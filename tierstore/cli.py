@@ -1,13 +1,20 @@
-"""The ``tierstore`` command line.
+"""Spill PyTorch tensors through a DRAM cache onto NVMe, Zarr and ADIOS2 tiers, train a model whose
+optimizer state lives there, and measure what each tier delivers.
+
+The subcommands of the ``tierstore`` command line (the paragraph above is its ``--help``):
 
 * ``tierstore train``: the main job. Train a small bf16 MLP whose fp32 optimizer state is several
   times the DRAM budget with the offloaded AdamW, over the embedded default config (DRAM budget
   over an NVMe tier in ./tierstore-data); print loss, step time and GB/s per tier.
 * ``tierstore spill``: spill tensors several times larger than the DRAM budget through the store,
-  read every one back, verify it bit for bit, print the throughput of each phase.
+  read every one back, verify it bit for bit, print the throughput of each phase and how many
+  bytes actually reached the tiers (none when everything fits in the budget).
 * ``tierstore probe CONFIG``: measure (or show the cached) read and write bandwidth of every path.
 * ``tierstore bench CONFIG``: throughput of each path alone and of each tier with all its paths,
   with a progress bar, JSON output and a PNG of GB/s per path over time.
+
+``train`` and ``spill`` remove the NVMe directory afterwards if they created it (the scratch store
+has deleted its objects by then). Bad options are usage errors (exit status 2) naming the option.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,49 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _positive_byte_size(text: str) -> int:
+    size = _byte_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {text!r}")
+    return size
+
+
+def _whole_words(text: str) -> int:
+    """An object size for ``spill``: its tensors are int32 words, so a positive multiple of 4."""
+    size = _byte_size(text)
+    if size < 4 or size % 4:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive multiple of 4 bytes (int32 words), not {text!r}"
+        )
+    return size
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+@contextmanager
+def _removed_if_created(directory: Path) -> Iterator[None]:
+    """Remove ``directory`` afterwards, with the parents made for it, if this run created it and
+    left it empty: a scratch store deletes its objects at close, but not the folder it made."""
+    absolute = directory.absolute()
+    created = [path for path in (absolute, *absolute.parents) if not path.exists()]  # deepest first
+    try:
+        yield
+    finally:
+        for path in created:
+            try:
+                path.rmdir()
+            except OSError:  # not empty (someone else's files), or never made: leave it and above
+                break
+
+
 def demo_tensor(base: torch.Tensor, index: int) -> torch.Tensor:
     """Object ``index``: random int32 words plus ``index``, viewed as fp32 or bf16 alternately.
 
@@ -48,8 +99,9 @@ def demo_tensor(base: torch.Tensor, index: int) -> torch.Tensor:
 
 
 def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str, Any]:
-    """Put ``total`` bytes in objects of ``object_bytes``, flush, read back, verify; return figures."""
-    count = max(1, total // object_bytes)
+    """Put ``total`` bytes in objects of ``object_bytes`` (a multiple of 4 dividing ``total``),
+    flush, read back, verify; return figures, with the bytes that reached the tiers."""
+    count = total // object_bytes
     settings = load_config(config)
     report: dict[str, Any] = {
         "objects": count,
@@ -88,6 +140,8 @@ def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str,
     report.update(
         put_and_flush_gb_per_s=round(moved / write_seconds / 1e9, 3),
         get_and_verify_gb_per_s=round(moved / read_seconds / 1e9, 3),
+        tier_bytes_written=sum(tier["bytes_written"] for tier in stats["tiers"].values()),
+        tier_bytes_read=sum(tier["bytes_read"] for tier in stats["tiers"].values()),
         verified=not mismatches,
         mismatched_objects=mismatches,
         stats=stats,
@@ -224,51 +278,107 @@ def run_bench(config: StoreConfig, size: int, count: int, plot: Path | None) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    default_dir = default_config()["tiers"][0]["backend"]["path"]
     parser = argparse.ArgumentParser(prog="tierstore", description=(__doc__ or "").split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="main job: train an MLP with its optimizer state offloaded")
-    train.add_argument("--dir", type=Path, help="directory of the default config's NVMe tier")
-    train.add_argument("--layers", type=int, default=8)
-    train.add_argument("--width", type=int, default=2048)
-    train.add_argument("--steps", type=int, default=5)
-    train.add_argument("--sub-group-size", type=int, default=2_000_000, help="elements per sub-group")
-    train.add_argument("--dram-budget", type=_byte_size, default=_byte_size("128MiB"), help="optimizer DRAM")
-    demo = commands.add_parser("spill", help="spill tensors larger than the DRAM budget and read them back")
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="one of these (COMMAND --help for its options):",
+    )
+    train = commands.add_parser(
+        "train",
+        help="main job: train an MLP with its optimizer state offloaded",
+        description="Train a bf16 MLP with OffloadedAdamW, its fp32 state several times the DRAM "
+        "budget, over the embedded default config (one NVMe tier); print loss, step time and GB/s.",
+    )
+    train.add_argument("--dir", type=Path, help=f"directory of the NVMe tier (default ./{default_dir})")
+    train.add_argument("--layers", type=_positive_int, default=8, help="Linear+GELU layers (8)")
+    train.add_argument("--width", type=_positive_int, default=2048, help="features per layer (2048)")
+    train.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps (5)")
+    train.add_argument(
+        "--sub-group-size", type=_positive_int, default=2_000_000, help="elements per sub-group (2000000)"
+    )
+    train.add_argument(
+        "--dram-budget",
+        type=_positive_byte_size,
+        default=_byte_size("128MiB"),
+        help="optimizer DRAM: read-ahead ring, gradient buffer, kept sub-groups (128MiB)",
+    )
+    demo = commands.add_parser(
+        "spill",
+        help="spill tensors larger than the DRAM budget and read them back",
+        description="Put --total bytes in objects of --object bytes through the store, flush, read "
+        "every one back and verify it; report GB/s and the bytes that reached the tiers.",
+    )
     where = demo.add_mutually_exclusive_group()
     where.add_argument("--config", type=Path, help="store config (.toml/.json); default: the embedded one")
-    where.add_argument("--dir", type=Path, help="directory of the default config's NVMe tier")
-    demo.add_argument("--total", type=_byte_size, default=_byte_size("1GiB"), help="bytes to spill (1GiB)")
-    demo.add_argument("--object", type=_byte_size, default=_byte_size("32MiB"), help="object size (32MiB)")
-    probe_command = commands.add_parser("probe", help="measure each path's read and write bandwidth")
-    probe_command.add_argument("config", type=Path)
-    probe_command.add_argument("--size", type=_byte_size, default=_byte_size("64MiB"), help="probe object")
+    where.add_argument(
+        "--dir", type=Path, help=f"directory of the default config's NVMe tier (./{default_dir})"
+    )
+    demo.add_argument(
+        "--total",
+        type=_positive_byte_size,
+        default=_byte_size("1GiB"),
+        help="bytes to spill, a multiple of --object (1GiB)",
+    )
+    demo.add_argument(
+        "--object",
+        type=_whole_words,
+        default=_byte_size("32MiB"),
+        help="bytes per object, a multiple of 4 (32MiB)",
+    )
+    demo.add_argument(
+        "--budget",
+        type=_byte_size,
+        help="DRAM cache budget (default: the config's, 256MiB embedded); 0 sends every object to a tier",
+    )
+    probe_command = commands.add_parser(
+        "probe",
+        help="measure each path's read and write bandwidth",
+        description="Write and read back a scratch object on every path of every tier; print GB/s "
+        "(cached in ~/.cache/tierstore/bandwidth.json).",
+    )
+    probe_command.add_argument("config", type=Path, help="store config (.toml/.json)")
+    probe_command.add_argument(
+        "--size", type=_positive_byte_size, default=_byte_size("64MiB"), help="probe object size (64MiB)"
+    )
     probe_command.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
-    bench = commands.add_parser("bench", help="throughput of each path and of each multi-path tier")
-    bench.add_argument("config", type=Path)
-    bench.add_argument("--size", type=_byte_size, default=_byte_size("64MiB"), help="object size (64MiB)")
-    bench.add_argument("--objects", type=int, default=8, help="objects per measurement (8)")
+    bench = commands.add_parser(
+        "bench",
+        help="throughput of each path and of each multi-path tier",
+        description="Measure each path alone, then each tier with all its paths; print a JSON report.",
+    )
+    bench.add_argument("config", type=Path, help="store config (.toml/.json)")
+    bench.add_argument(
+        "--size", type=_positive_byte_size, default=_byte_size("64MiB"), help="object size (64MiB)"
+    )
+    bench.add_argument("--objects", type=_positive_int, default=8, help="objects per measurement (8)")
     bench.add_argument("--output", type=Path, help="write the JSON report here too")
     bench.add_argument("--plot", type=Path, help="PNG of GB/s per path over time (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.command == "spill" and args.total % args.object:
+        demo.error(
+            f"argument --total: {args.total} bytes is not a multiple of --object ({args.object} bytes)"
+        )
 
     try:
         if args.command == "spill":
             return _spill(args)
         if args.command == "train":
             defaults = default_config()
-            if args.dir is not None:
-                defaults["tiers"][0]["backend"]["path"] = str(args.dir)
-            report = run_training(
-                defaults, args.layers, args.width, args.steps, args.sub_group_size, args.dram_budget
-            )
+            directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
+            defaults["tiers"][0]["backend"]["path"] = str(directory)
+            with _removed_if_created(directory):
+                report = run_training(
+                    defaults, args.layers, args.width, args.steps, args.sub_group_size, args.dram_budget
+                )
             print(json.dumps(report, indent=2))
             return 0 if report["loss_decreased"] else 1
         settings = load_config(args.config)
         if args.command == "probe":
             report = run_probe(settings, args.size, args.refresh)
         else:
-            if args.objects < 1:
-                parser.error("--objects must be >= 1")
             report = run_bench(settings, args.size, args.objects, args.plot)
     except TierStoreError as error:
         print(f"tierstore {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
@@ -287,17 +397,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _spill(args: argparse.Namespace) -> int:
     config = default_config() if args.config is None else load_config(args.config).model_dump()
-    if args.dir is not None:
-        config["tiers"][0]["backend"]["path"] = str(args.dir)
-    report = run_demo(config, args.total, args.object)
+    if args.budget is not None:
+        config["cache"] = {**config.get("cache", {}), "budget": args.budget}
+    if args.config is None:
+        directory = Path(args.dir or config["tiers"][0]["backend"]["path"])
+        config["tiers"][0]["backend"]["path"] = str(directory)
+        with _removed_if_created(directory):
+            report = run_demo(config, args.total, args.object)
+    else:
+        report = run_demo(config, args.total, args.object)
     print(json.dumps(report, indent=2))
-    print(
-        f"spilled {report['total_bytes'] / 2**30:.2f} GiB ({report['objects']} objects, "
-        f"{report['total_bytes'] / report['cache_budget_bytes']:.1f}x the DRAM budget): "
+    print(_spill_summary(report))
+    return 0 if report["verified"] else 1
+
+
+def _spill_summary(report: dict[str, Any]) -> str:
+    """One line that says how many bytes moved to and from the tiers: with everything inside the
+    DRAM budget the reads are memory copies, not tier throughput."""
+    total, budget = report["total_bytes"], report["cache_budget_bytes"]
+    cache = f"{total / budget:.1f}x the DRAM budget" if budget else "no DRAM cache"
+    moved = (
+        f"{report['tier_bytes_written'] / 2**30:.2f} GiB written to the tiers, "
+        f"{report['tier_bytes_read'] / 2**30:.2f} GiB read back from them"
+    )
+    if not report["tier_bytes_read"]:
+        moved += " (every read was served from DRAM: lower --budget to read from a tier)"
+    return (
+        f"spilled {total / 2**30:.2f} GiB ({report['objects']} objects, {cache}); {moved}: "
         f"put+flush {report['put_and_flush_gb_per_s']} GB/s, get+verify "
         f"{report['get_and_verify_gb_per_s']} GB/s, verified={report['verified']}"
     )
-    return 0 if report["verified"] else 1
 
 
 if __name__ == "__main__":

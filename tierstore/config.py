@@ -22,7 +22,7 @@ import tomllib
 from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -31,6 +31,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -42,6 +43,8 @@ _BYTE_SIZE = TypeAdapter(ByteSize)
 
 def parse_byte_size(text: str | int) -> int:
     """Bytes from an integer or a string such as ``"64MiB"`` or ``"2GB"``."""
+    if isinstance(text, bool):  # an int to Python, and 1 byte to pydantic
+        raise ConfigError(f"{text!r} is not a size such as 4096, 64MiB or 2GB")
     try:
         return int(_BYTE_SIZE.validate_python(text))
     except ValidationError:
@@ -51,11 +54,34 @@ def parse_byte_size(text: str | int) -> int:
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$"
 
 
-class _Strict(BaseModel):
+def refuse_bool_as_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A ``mode="before"`` field check for every config model, the backends' options included:
+    pydantic reads ``true`` as 1, so ``budget = true`` would be one byte and ``workers = true``
+    one thread. A bool passes only where the field's type takes a bool."""
+    field = model.model_fields.get(info.field_name or "")
+    if isinstance(value, bool) and field is not None and not _admits_bool(field.annotation):
+        raise ValueError(f"expected a number or a string, not the boolean {str(value).lower()}")
+    return value
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type takes a bool as itself (``bool``, ``bool | None``, ``Any``...)."""
+    return annotation is bool or annotation is Any or any(_admits_bool(arg) for arg in get_args(annotation))
+
+
+class ConfigModel(BaseModel):
+    """Base of the store's configuration models: unknown fields are errors, and so is a bool
+    given for a number."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool_as_number(cls, value, info)
 
-class CacheConfig(_Strict):
+
+class CacheConfig(ConfigModel):
     budget: ByteSize = Field(ByteSize(256 << 20))
     """Bytes of DRAM the cache may hold (aligned buffers, pinned where CUDA exists)."""
     policy: Literal["write-back", "write-through"] = "write-back"
@@ -65,14 +91,14 @@ class CacheConfig(_Strict):
     """Keep objects read from a tier in the cache (False: read straight into the destination)."""
 
 
-class BandwidthConfig(_Strict):
+class BandwidthConfig(ConfigModel):
     """A path's bandwidth in bytes per second (e.g. ``"1.5GB"``), when known in advance."""
 
     read: ByteSize
     write: ByteSize
 
 
-class NodeLimitConfig(_Strict):
+class NodeLimitConfig(ConfigModel):
     """Slots shared by every process on the node that names the same ``key`` (a shared PFS)."""
 
     key: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,100}$")
@@ -82,7 +108,7 @@ class NodeLimitConfig(_Strict):
     """Where the lock files live (default /dev/shm/tierstore-limits)."""
 
 
-class PathConfig(_Strict):
+class PathConfig(ConfigModel):
     name: str | None = Field(None, pattern=NAME_PATTERN)
     backend: str | dict[str, Any]
     """A backend URL (``nvme:///path``) or a table with ``type`` and the backend's options."""
@@ -94,7 +120,7 @@ class PathConfig(_Strict):
     node_limit: NodeLimitConfig | None = None
 
 
-class TierConfig(_Strict):
+class TierConfig(ConfigModel):
     name: str = Field(pattern=NAME_PATTERN)
     backend: str | dict[str, Any] | None = None
     """Shorthand for a tier of one path."""
@@ -125,7 +151,7 @@ class TierConfig(_Strict):
         return [PathConfig(backend=self.backend)]
 
 
-class StoreConfig(_Strict):
+class StoreConfig(ConfigModel):
     cache: CacheConfig = CacheConfig()
     tiers: list[TierConfig] = Field(min_length=1)
     workers: int = Field(4, ge=1, le=256)

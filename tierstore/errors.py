@@ -73,5 +73,12 @@ class ChecksumError(BackendIOError):
     """Bytes read back from a tier do not match the checksum recorded when they were written."""
 
 
+class MissingDataError(BackendIOError):
+    """A committed object's bytes are gone from their medium (a deleted file or directory).
+
+    Data loss, not an unknown key: ``except KeyError`` must never swallow it, so it is an
+    ``OSError`` (``ENOENT``) naming the key, the tier path and the backend object."""
+
+
 class StoreLockedError(TierStoreError, RuntimeError):
     """The persistent store's manifest is already open in another process (or store object)."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class PathSpeed:
@@ -29,7 +31,7 @@ class PathSpeed:
 def stripe_weights(paths: Sequence[PathSpeed]) -> list[float]:
     """Shares that make one write plus one read of a stripe take equal time on every path."""
     if not paths or any(p.read <= 0 or p.write <= 0 for p in paths):
-        raise ValueError("every path needs positive read and write bandwidth")
+        raise ConfigError(f"paths: every path needs positive read and write bandwidth, got {list(paths)}")
     return [1.0 / (1.0 / p.read + 1.0 / p.write) for p in paths]
 
 
@@ -78,7 +80,7 @@ def plan_pass(
     """
     order = list(range(len(sizes))) if order is None else list(order)
     if sorted(order) != list(range(len(sizes))):
-        raise ValueError("order must visit every object exactly once")
+        raise ConfigError(f"order: must visit each of the {len(sizes)} objects exactly once, got {order}")
     weights = stripe_weights(paths)
     working = 2 * max(sizes, default=0) if working_bytes is None else working_bytes
     room = max(0, budget - working)

@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 import torch
 
-from .errors import BufferMismatchError
+from .errors import BufferMismatchError, InvalidKeyError
 from .store import TierStore
 
 FORMAT = 1
@@ -36,6 +36,9 @@ def export_hdf5(
 ) -> int:
     """Write ``keys`` (default: every committed key) and ``metadata`` (JSON-serialisable, e.g. an
     optimizer's step count) to ``path``; returns the object count."""
+    one_string = isinstance(keys, str)  # iterating it would export one key per character
+    if one_string or not (keys is None or isinstance(keys, Iterable)):
+        raise InvalidKeyError(f"export_hdf5 takes an iterable of keys or None, not {keys!r}: use [key]")
     store.flush()
     target = Path(path)
     temporary = target.with_name(f".{target.name}.tmp")

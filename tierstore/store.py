@@ -31,6 +31,7 @@ import errno
 import itertools
 import json
 import logging
+import numbers
 import os
 import secrets
 import threading
@@ -38,7 +39,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeGuard
 
 import torch
 
@@ -56,6 +57,7 @@ from .errors import (
     ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
+    MissingDataError,
     OutOfRangeError,
     StoreClosedError,
 )
@@ -119,12 +121,7 @@ class TierStore:
         manifest: str | os.PathLike[str] | None = None,
         verify: Verify = "always",
     ) -> None:
-        if not tiers:
-            raise CapacityError("a TierStore needs at least one persistent tier")
-        if policy not in ("write-back", "write-through"):
-            raise InvalidKeyError(f"policy must be 'write-back' or 'write-through', not {policy!r}")
-        if verify not in ("always", "sampled", "off"):
-            raise ConfigError(f"verify must be 'always', 'sampled' or 'off', not {verify!r}")
+        _check_arguments(tiers, cache_budget, policy, workers, verify)
         self.tiers = [
             tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
@@ -202,8 +199,7 @@ class TierStore:
         _check_key(key)
         if not isinstance(tensor, torch.Tensor):
             raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.is_sparse or tensor.layout != torch.strided:
-            raise BufferMismatchError(f"put({key!r}): only dense (strided) tensors are supported")
+        _check_dense(f"put({key!r})", tensor)
         return self._serial.submit(key, self._put, key, tensor.detach(), cache and not scratch, scratch)
 
     def get(self, key: str, out: torch.Tensor | None = None, *, cache: bool = True) -> Future[torch.Tensor]:
@@ -217,6 +213,7 @@ class TierStore:
         if out is not None:
             if not isinstance(out, torch.Tensor):
                 raise BufferMismatchError(f"get({key!r}): out must be a torch.Tensor")
+            _check_dense(f"get({key!r}): out", out)
             record = self._records.get(key)
             if record is not None and not self._serial.pending(key):  # else a queued put decides
                 _check_out(key, record, out)
@@ -228,6 +225,8 @@ class TierStore:
         Objects larger than the whole cache budget raise :class:`CapacityError` through the future.
         """
         self._check_open()
+        if isinstance(keys, str) or not isinstance(keys, Iterable):  # a str is one key per character
+            raise InvalidKeyError(f"prefetch takes an iterable of keys, not {keys!r}: use [key]")
         keys = list(keys)
         for key in keys:
             self._check_known(key)
@@ -265,14 +264,17 @@ class TierStore:
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is committed (its put's future has resolved)."""
+        self._check_open()
         return key in self._records
 
     def keys(self) -> list[str]:
         """Committed keys, in insertion order."""
+        self._check_open()
         with self._cond:
             return list(self._records)
 
     def info(self, key: str) -> ObjectInfo:
+        self._check_open()
         with self._cond:
             record = self._record(key)
             entry = record.entry
@@ -288,7 +290,9 @@ class TierStore:
             )
 
     def stats(self) -> dict[str, Any]:
-        """Counters: cache hits/misses/evictions/write-backs, cache bytes, per-tier bytes moved."""
+        """Counters: cache hits/misses/evictions/write-backs, cache bytes, per-tier bytes moved.
+
+        Still readable after :meth:`close`, for a final report."""
         with self._cond:
             return {
                 **self._stats,
@@ -368,6 +372,7 @@ class TierStore:
         return iter(self.keys())
 
     def __len__(self) -> int:
+        self._check_open()
         return len(self._records)
 
     # -- operations (run on the serializer, one key at a time) -----------------------------------
@@ -376,7 +381,7 @@ class TierStore:
             tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), scratch=scratch
         )
         if not cache or not self._pool.fits(record.nbytes):  # straight to a tier
-            source = tensor.cpu().contiguous()
+            source = _materialized(tensor)
             record.persisted = self._write_to_tier(_bytes_of(source), Priority.CRITICAL)
             self._commit(key, record)
             return
@@ -592,12 +597,19 @@ class TierStore:
             placement.tier.read_into(placement, out, priority, verify=verify).result()
         except ChecksumError as error:
             raise ChecksumError(f"key {key!r}: {error}") from None
+        except MissingDataError as error:
+            raise MissingDataError(errno.ENOENT, f"key {key!r}: {error.strerror}") from None
         except OutOfRangeError as error:  # the file is shorter than the object it should hold
             raise BackendIOError(errno.EIO, f"key {key!r}: stored object is truncated ({error})") from None
 
     def _read_direct(self, key: str, record: _Record, out: torch.Tensor | None) -> torch.Tensor:
         assert record.persisted is not None
-        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        direct = (
+            out is not None
+            and out.device.type == "cpu"
+            and out.is_contiguous()
+            and not (out.is_conj() or out.is_neg())  # a lazy view's memory is not its values
+        )
         destination = out if direct else torch.empty(record.shape, dtype=record.dtype)
         assert destination is not None
         self._read(key, record.persisted, _bytes_of(destination), Priority.CRITICAL)
@@ -714,6 +726,51 @@ def _token_of(name: str) -> str:
     return name.split("-", 1)[0]
 
 
+def _check_arguments(
+    tiers: object, cache_budget: object, policy: object, workers: object, verify: object
+) -> None:
+    """Refuse a bad constructor argument with a :class:`ConfigError` naming it (a bool is not a
+    number here, although Python lets it pass for one)."""
+    if isinstance(tiers, (str, Tier, Backend)) or not isinstance(tiers, Sequence) or not tiers:
+        raise ConfigError(
+            f"tiers: a TierStore needs a non-empty list of Tier or Backend objects (open 'dram://' for a "
+            f"store in memory only: objects larger than the cache and evicted ones go there); got {tiers!r}"
+        )
+    for index, tier in enumerate(tiers):
+        if not isinstance(tier, (Tier, Backend)):
+            raise ConfigError(
+                f"tiers.{index}: expected a Tier or a Backend, got {type(tier).__name__} "
+                "(TierStore.from_config opens backends from URLs)"
+            )
+    if not _is_integer(cache_budget) or cache_budget < 0:
+        raise ConfigError(f"cache_budget: must be a number of bytes >= 0, not {cache_budget!r}")
+    if policy not in ("write-back", "write-through"):
+        raise ConfigError(f"policy: must be 'write-back' or 'write-through', not {policy!r}")
+    if not _is_integer(workers) or workers < 1:
+        raise ConfigError(f"workers: must be an integer >= 1, not {workers!r}")
+    if verify not in ("always", "sampled", "off"):
+        raise ConfigError(f"verify: must be 'always', 'sampled' or 'off', not {verify!r}")
+
+
+def _is_integer(value: object) -> TypeGuard[int]:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_dense(what: str, tensor: torch.Tensor) -> None:
+    """Refuse tensors whose values are not plain strided memory, before anything is written."""
+    reason = None
+    if tensor.is_nested:
+        reason = "nested tensors are not supported; store each component under its own key"
+    elif tensor.is_quantized:
+        reason = "quantized tensors are not supported; store t.int_repr() and the quantization parameters"
+    elif tensor.layout != torch.strided:
+        reason = f"only dense (strided) tensors are supported, not {tensor.layout}; store t.to_dense()"
+    elif tensor.is_meta:
+        reason = "meta tensors have no data"
+    if reason is not None:
+        raise BufferMismatchError(f"{what}: {reason}")
+
+
 def _check_key(key: object) -> None:
     """Keys never become file names (backend names are generated), but they travel into manifests
     and snapshots, so anything path-like that could escape a root is refused anyway."""
@@ -737,6 +794,12 @@ def _check_out(key: str, record: _Record, out: torch.Tensor) -> None:
             f"get({key!r}): out is {out.dtype} {tuple(out.shape)} but the object is "
             f"{record.dtype} {record.shape}"
         )
+
+
+def _materialized(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor holding ``tensor``'s values: conjugate and negative views keep
+    their memory unchanged behind a flag, so their bytes are not their values until resolved."""
+    return tensor.cpu().resolve_conj().resolve_neg().contiguous()
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

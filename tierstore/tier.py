@@ -15,8 +15,10 @@ only talks to tiers, never to backends.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import numbers
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -30,7 +32,7 @@ from ._futures import when_all
 from .backends import Backend, open_backend
 from .bandwidth import Bandwidth, ProbeCache, ThroughputMeter, probe
 from .config import PathConfig, TierConfig
-from .errors import BackendIOError, ChecksumError, ConfigError, KeyNotFoundError
+from .errors import BackendIOError, ChecksumError, ConfigError, KeyNotFoundError, MissingDataError
 from .limits import Direction, NodeLimiter, PathScheduler, Priority
 from .placement import Extent
 
@@ -108,9 +110,30 @@ class TierPath:
         )
 
     def read_into(self, name: str, out: memoryview, priority: Priority) -> Future[None]:
-        return self.scheduler.submit(
+        """Read a whole object this path holds. The tier only reads objects it wrote, so an
+        absent one is lost data: :class:`MissingDataError`, never the backend's ``KeyError``."""
+        read = self.scheduler.submit(
             "read", priority, out.nbytes, lambda: self.backend.read_into(name, 0, out)
         )
+        result: Future[None] = Future()
+
+        def settle(done: Future[None]) -> None:
+            error = done.exception()
+            if isinstance(error, KeyNotFoundError):
+                result.set_exception(
+                    MissingDataError(
+                        errno.ENOENT,
+                        f"object {name} on path {self.name} ({self.backend!r}) is missing from its "
+                        f"medium ({error})",
+                    )
+                )
+            elif error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(None)
+
+        read.add_done_callback(settle)
+        return result
 
     def stats(self) -> dict[str, Any]:
         estimate = self.bandwidth()
@@ -154,6 +177,20 @@ class Tier:
             raise ConfigError(f"tier {name!r} needs at least one path")
         if placement not in ("stripe", "place"):
             raise ConfigError(f"tier {name!r}: placement must be 'stripe' or 'place', not {placement!r}")
+        if stripe_by not in ("round-trip", "write", "read"):
+            raise ConfigError(
+                f"tier {name!r}: stripe_by must be 'round-trip', 'write' or 'read', not {stripe_by!r}"
+            )
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 0
+        ):
+            raise ConfigError(f"tier {name!r}: capacity must be bytes >= 0 or None, not {capacity!r}")
+        for index, path in enumerate(paths):
+            if not isinstance(path, (TierPath, Backend)):
+                raise ConfigError(
+                    f"tier {name!r}: paths.{index} must be a TierPath or a Backend, not "
+                    f"{type(path).__name__} (Tier.from_config opens backends from URLs)"
+                )
         self.name = name
         self.paths = [
             path if isinstance(path, TierPath) else TierPath(f"{name}.{index}", path)
