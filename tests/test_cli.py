@@ -21,13 +21,21 @@ backend = "nvme://{root}"
 """
 
 
-def test_train_runs_the_offloaded_optimizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    arguments = ["train", "--dir", str(tmp_path / "data"), "--layers", "2", "--width", "256", "--steps", "3"]
-    assert main([*arguments, "--sub-group-size", "20000", "--dram-budget", "1MiB"]) == 0
+def test_train_offloads_optimizer_state_and_activations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    arguments = ["train", "--dir", str(tmp_path / "data"), "--layers", "2", "--width", "128", "--steps", "4"]
+    budgets = ["--sub-group-size", "20000", "--dram-budget", "1MiB", "--activation-budget", "4MiB"]
+    assert main([*arguments, *budgets]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["state_over_budget"] > 1.5 and report["subgroups"] == 7
-    assert report["loss_decreased"] and len(report["steps"]) == 3
+    assert report["state_over_budget"] > 1.5 and report["subgroups"] > 1
+    assert report["loss_decreased"] and len(report["steps"]) == 4
     assert all(step["gb_per_s"]["nvme"] > 0 for step in report["steps"])
+    for step in report["steps"]:
+        assert 0 < step["peak_resident_activation_bytes"] <= 4 << 20
+        assert step["keep_in_memory_activation_bytes"] > 2 * (4 << 20)
+    assert report["steps"][-1]["activation_plan"] == "lifetime"
+    assert report["activation_stats"]["spilled_bytes"] > 0
     assert not (tmp_path / "data").exists()  # no objects left, nor the directory the run made
 
 

@@ -3,9 +3,10 @@ optimizer state lives there, and measure what each tier delivers.
 
 The subcommands of the ``tierstore`` command line (the paragraph above is its ``--help``):
 
-* ``tierstore train``: the main job. Train a small bf16 MLP whose fp32 optimizer state is several
-  times the DRAM budget with the offloaded AdamW, over the embedded default config (DRAM budget
-  over an NVMe tier in ./tierstore-data); print loss, step time and GB/s per tier.
+* ``tierstore train``: the main job. Train a small GPT-style model whose fp32 optimizer state and
+  saved activations are each several times their DRAM budget, with the offloaded AdamW and the
+  activation offload on one store over the embedded default config (an NVMe tier in
+  ./tierstore-data); print loss, step time, resident activation bytes and GB/s per tier.
 * ``tierstore spill``: spill tensors several times larger than the DRAM budget through the store,
   read every one back, verify it bit for bit, print the throughput of each phase and how many
   bytes actually reached the tiers (none when everything fits in the budget).
@@ -150,18 +151,30 @@ def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str,
 
 
 def run_training(
-    config: dict[str, Any], layers: int, width: int, steps: int, sub_group_size: int, budget: int
+    config: dict[str, Any],
+    *,
+    layers: int,
+    width: int,
+    length: int,
+    batch: int,
+    steps: int,
+    sub_group_size: int,
+    budget: int,
+    activation_budget: int,
 ) -> dict[str, Any]:
-    """Fit a bf16 MLP to a fixed synthetic batch with :class:`OffloadedAdamW`, whose DRAM is
-    ``budget`` bytes and whose fp32 state goes to the config's tiers (the store caches nothing)."""
-    from .optimizer import OffloadedAdamW  # the optimizer sits above the store
+    """Train a GPT-style model on text that ships with Python, with its fp32 optimizer state
+    (:class:`OffloadedAdamW`, ``budget`` bytes of DRAM) and the activations saved for backward
+    (:class:`ActivationOffload`, ``activation_budget`` bytes, lifetime plan) both spilled to the
+    config's tiers through one store (which caches nothing itself)."""
+    from .activations import ActivationOffload  # the workloads sit above the store
+    from .optimizer import OffloadedAdamW
+    from .testing.gpt import GPT, batch_of, byte_corpus
 
     settings = load_config(config)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(layers)]
-    ).to(torch.bfloat16)
-    target = torch.nn.Linear(width, width).to(torch.bfloat16).requires_grad_(False)
+    # fp32 on the CPU: bf16 attention kernels run an order of magnitude slower there.
+    model = GPT(vocab=256, width=width, layers=layers, heads=max(1, width // 64), length=length)
+    corpus = byte_corpus()
     parameters = sum(p.numel() for p in model.parameters())
     state_bytes = 12 * parameters  # fp32 master weights + two moments
     store_settings = settings.model_copy(update={"cache": settings.cache.model_copy(update={"budget": 0})})
@@ -170,53 +183,62 @@ def run_training(
         "fp32_state_bytes": state_bytes,
         "dram_budget_bytes": budget,
         "state_over_budget": round(state_bytes / budget, 2),
+        "activation_budget_bytes": activation_budget,
+        "tokens_per_step": batch * length,
         "steps": [],
     }
     with TierStore.from_config(store_settings) as store:
         optimizer = OffloadedAdamW(
             model.parameters(),
             store,
-            lr=1e-4,
+            lr=1e-3,
             sub_group_size=sub_group_size,
             dram_budget=budget,
             max_grad_norm=1.0,
         )
+        offload = ActivationOffload(store, budget=activation_budget, min_bytes="256KiB", plan="lifetime")
         report["subgroups"] = len(optimizer.subgroups)
-        inputs = torch.randn(64, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         for step in range(steps):
+            tokens, targets = batch_of(corpus, step, batch, length)
+            before = {t.name: t.bytes_read + t.bytes_written for t in store.tiers}
             started = time.perf_counter()
-            loss = torch.nn.functional.mse_loss(model(inputs).float(), target(inputs).float())
+            with offload:
+                loss = model(tokens, targets)
             model.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             backward_done = time.perf_counter()
-            before = {t.name: (t.bytes_read, t.bytes_written) for t in store.tiers}
             optimizer.step()
             finished = time.perf_counter()
-            step_seconds = finished - backward_done
+            activations = offload.stats()
+            seconds = finished - started
             tiers = {
-                t.name: round(
-                    (t.bytes_read - before[t.name][0] + t.bytes_written - before[t.name][1])
-                    / step_seconds
-                    / 1e9,
-                    3,
-                )
+                t.name: round((t.bytes_read + t.bytes_written - before[t.name]) / seconds / 1e9, 3)
                 for t in store.tiers
             }
             entry = {
                 "step": step + 1,
                 "loss": round(float(loss.detach()), 5),
+                "step_s": round(seconds, 3),
                 "forward_backward_s": round(backward_done - started, 3),
-                "optimizer_step_s": round(step_seconds, 3),
+                "optimizer_step_s": round(finished - backward_done, 3),
+                "peak_resident_activation_bytes": activations["step_peak_resident_bytes"],
+                "keep_in_memory_activation_bytes": activations["step_saved_bytes"],
+                "activation_plan": "lifetime" if activations.get("predicted_step_s") else "profiling",
                 "gb_per_s": tiers,
             }
             report["steps"].append(entry)
             print(
-                f"step {entry['step']}: loss {entry['loss']:.5f}  "
-                f"fwd+bwd {entry['forward_backward_s']:.3f} s  "
-                f"optimizer step {entry['optimizer_step_s']:.3f} s  "
+                f"step {entry['step']}: loss {entry['loss']:.4f}  step {entry['step_s']:.2f} s "
+                f"(fwd+bwd {entry['forward_backward_s']:.2f}, optimizer {entry['optimizer_step_s']:.2f})  "
+                f"activations resident {entry['peak_resident_activation_bytes'] / 2**20:.1f} MiB of "
+                f"{entry['keep_in_memory_activation_bytes'] / 2**20:.1f} MiB saved "
+                f"({entry['activation_plan']})  "
                 + "  ".join(f"{name} {gbps} GB/s" for name, gbps in tiers.items()),
                 file=sys.stderr,
             )
+        offload.close()
+        report["activation_stats"] = offload.stats()
+        report["activation_plan"] = offload.plan_explain()
     losses = [entry["loss"] for entry in report["steps"]]
     report["loss_decreased"] = losses[-1] < losses[0]
     return report
@@ -288,22 +310,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     train = commands.add_parser(
         "train",
-        help="main job: train an MLP with its optimizer state offloaded",
-        description="Train a bf16 MLP with OffloadedAdamW, its fp32 state several times the DRAM "
-        "budget, over the embedded default config (one NVMe tier); print loss, step time and GB/s.",
+        help="main job: train a GPT with its optimizer state and activations offloaded",
+        description="Train a GPT-style model on the standard library's source text with OffloadedAdamW "
+        "(fp32 state several times its DRAM budget) and ActivationOffload (saved activations several "
+        "times theirs), over the embedded default config (one NVMe tier); print loss, step time, "
+        "resident activation bytes and GB/s.",
     )
     train.add_argument("--dir", type=Path, help=f"directory of the NVMe tier (default ./{default_dir})")
-    train.add_argument("--layers", type=_positive_int, default=8, help="Linear+GELU layers (8)")
-    train.add_argument("--width", type=_positive_int, default=2048, help="features per layer (2048)")
-    train.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps (5)")
+    train.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (4)")
+    train.add_argument("--width", type=_positive_int, default=256, help="model width, 64 per head (256)")
+    train.add_argument("--length", type=_positive_int, default=128, help="tokens per sequence (128)")
+    train.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (8)")
+    train.add_argument("--steps", type=_positive_int, default=6, help="optimizer steps (6)")
     train.add_argument(
-        "--sub-group-size", type=_positive_int, default=2_000_000, help="elements per sub-group (2000000)"
+        "--sub-group-size", type=_positive_int, default=250_000, help="elements per sub-group (250000)"
     )
     train.add_argument(
         "--dram-budget",
         type=_positive_byte_size,
-        default=_byte_size("128MiB"),
-        help="optimizer DRAM: read-ahead ring, gradient buffer, kept sub-groups (128MiB)",
+        default=_byte_size("16MiB"),
+        help="optimizer DRAM: read-ahead ring, gradient buffer, kept sub-groups (16MiB)",
+    )
+    train.add_argument(
+        "--activation-budget",
+        type=_positive_byte_size,
+        default=_byte_size("24MiB"),
+        help="activation bytes held in memory at once: being written, kept, read back (24MiB)",
     )
     demo = commands.add_parser(
         "spill",
@@ -371,7 +403,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             defaults["tiers"][0]["backend"]["path"] = str(directory)
             with _removed_if_created(directory):
                 report = run_training(
-                    defaults, args.layers, args.width, args.steps, args.sub_group_size, args.dram_budget
+                    defaults,
+                    layers=args.layers,
+                    width=args.width,
+                    length=args.length,
+                    batch=args.batch,
+                    steps=args.steps,
+                    sub_group_size=args.sub_group_size,
+                    budget=args.dram_budget,
+                    activation_budget=args.activation_budget,
                 )
             print(json.dumps(report, indent=2))
             return 0 if report["loss_decreased"] else 1
