@@ -25,6 +25,7 @@ master | exp_avg | exp_avg_sq). A step:
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -36,7 +37,7 @@ from ..errors import BufferMismatchError, ConfigError
 from ..snapshot import export_hdf5, import_hdf5
 from ..store import TierStore
 from .partition import Piece, SubGroup, partition
-from .staging import FP32, CachePolicy, SubGroupStager
+from .staging import FP32, CachePolicy, SubGroupStager, _is_integer
 
 STATE_PARTS = 3  # master weights, exp_avg, exp_avg_sq
 
@@ -66,9 +67,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         cache_policy: CachePolicy = "model",
         namespace: str = "adamw",
     ) -> None:
-        if not lr >= 0.0 or not eps >= 0.0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(f"invalid lr {lr}, eps {eps} or betas {betas}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        hyperparameters = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        _check_hyperparameters(hyperparameters, "")
+        if not _is_integer(sub_group_size) or sub_group_size < 1:
+            raise ConfigError(f"sub_group_size: must be a positive integer, got {sub_group_size!r}")
+        if max_grad_norm is not None and not (_is_real(max_grad_norm) and max_grad_norm > 0.0):
+            raise ConfigError(f"max_grad_norm: must be None or a positive number, got {max_grad_norm!r}")
+        super().__init__(params, hyperparameters)
+        for number, group in enumerate(self.param_groups):
+            _check_hyperparameters(group, f"param_groups.{number}.")
         self.store = store
         self.max_grad_norm = max_grad_norm
         self.params = [p for group in self.param_groups for p in group["params"]]
@@ -325,3 +332,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         row[piece.offset : piece.offset + piece.length]
                     )
         return parts[0], parts[1], parts[2]
+
+
+def _is_real(value: object) -> bool:
+    """A finite int or float (bool excluded): what the fused kernel takes as a hyper-parameter."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
+    """AdamW's hyper-parameters (the defaults, or a parameter group's): a :class:`ConfigError`
+    naming the field, rather than a wrong update or a failure deep inside the first step."""
+    for name in ("lr", "eps", "weight_decay"):
+        if not _is_real(group[name]) or group[name] < 0.0:
+            raise ConfigError(f"{where}{name}: must be a finite number >= 0, got {group[name]!r}")
+    betas = group["betas"]
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(_is_real(beta) and 0.0 <= beta < 1.0 for beta in betas)
+    ):
+        raise ConfigError(f"{where}betas: must be two numbers in [0, 1), got {betas!r}")

@@ -178,6 +178,21 @@ def test_configuration_errors_name_the_field() -> None:
             validate_config(config)
 
 
+def test_bad_tierstore_section_values_name_the_field() -> None:
+    """Booleans, fractions and strings are not counts: JSON ``true`` must not become 1."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}
+    cases = {
+        "prefetch_depth": [0, -1, 1.5, True, "2"],
+        "workers": [0, True, 2.5, "4"],
+        "dram_budget": [-1, True, 1.5, "lots"],
+    }
+    for field, values in cases.items():
+        for value in values:
+            config = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero, "tierstore": {field: value}}
+            with pytest.raises(ConfigError, match=rf"tierstore\.{field}: "):
+                validate_config(config)
+
+
 def test_unsupported_deepspeed_versions_are_refused() -> None:
     assert check_deepspeed_version("0.19.8") == "0.19.8"
     for version in ("0.18.4", "0.20.0"):

@@ -415,3 +415,35 @@ def test_checkpoints_with_one_global_step_still_load(tmp_path: Path) -> None:
         optimizer.param_steps = [0, 0, 0, 0]
         optimizer.load_snapshot(tmp_path / "old.h5")
         assert optimizer.param_steps == [3, 3, 3, 3] and optimizer.step_count == 3
+
+
+@pytest.mark.parametrize(
+    ("option", "values"),
+    [
+        ("sub_group_size", [0, -5, 2.5, True, "1000"]),
+        ("prefetch_depth", [0, -1, 1.5, True, "2"]),
+        ("dram_budget", [-1, 1.5e6, "1GiB", True]),
+        ("cache_policy", ["lru", None, ["model"]]),
+        ("max_grad_norm", [0.0, -1.0, float("nan"), float("inf"), "1", True]),
+        ("lr", [-1e-3, float("nan"), float("inf"), "1e-3", None, True]),
+        ("eps", [-1e-8, float("nan"), "1e-8"]),
+        ("weight_decay", [-0.1, float("nan"), "0.01", None]),
+        ("betas", [(0.9,), (0.9, 0.999, 0.5), (1.0, 0.999), (0.9, -0.1), "ab", (0.9, float("nan")), 0.9]),
+        ("namespace", ["", "/abs", "a/../b", "bad\x00name", None, 7]),
+    ],
+)
+def test_bad_constructor_arguments_name_the_field(tmp_path: Path, option: str, values: list[object]) -> None:
+    with make_store(tmp_path, "dram") as store:
+        for value in values:
+            with pytest.raises(ConfigError, match=f"^{option}: "):
+                OffloadedAdamW([torch.nn.Parameter(torch.randn(100))], store, **{option: value})
+
+
+def test_bad_parameter_group_hyperparameters_name_the_group(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        groups = [
+            {"params": [torch.nn.Parameter(torch.randn(10))]},
+            {"params": [torch.nn.Parameter(torch.randn(10))], "lr": -1.0},
+        ]
+        with pytest.raises(ConfigError, match=r"^param_groups\.1\.lr: "):
+            OffloadedAdamW(groups, store)
