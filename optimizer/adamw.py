@@ -7,12 +7,16 @@ master | exp_avg | exp_avg_sq). A step:
 1. measures the global gradient norm from the low-precision gradients (fp32 accumulation, no fp32
    copy), detects overflow (a non-finite norm skips the step, leaving all state untouched, as
    loss scaling expects) and derives one coefficient for unscaling and clipping;
+   as ``torch.optim.AdamW``, each parameter counts its own steps (bias correction), and only
+   steps on which it has a gradient count: a parameter without one is left untouched;
 2. visits the sub-groups forward on odd steps and in reverse on even ones (MLP-Offload's
    cache-friendly order), reading ahead into a ring of page-aligned buffers while the current
    sub-group is updated, and writing finished ones back in the background;
 3. per sub-group, converts its gradients into one reused fp32 buffer (delayed, in place),
-   multiplies in the coefficient, runs a fused AdamW kernel on the views, and copies the new
-   master weights into the model's parameters. No fp32 gradient is ever written to storage;
+   multiplies in the coefficient, runs one fused AdamW kernel on the views (each piece with its
+   parameter's step count, so pieces of parameters with different counts share the call), and
+   copies the new master weights into the model's parameters. No fp32 gradient is ever written
+   to storage;
 4. keeps the sub-groups at the end of the pass in DRAM (the I/O performance model chooses which;
    the next, reversed pass starts with them), so they skip both their write now and their read
    next step.
@@ -21,6 +25,7 @@ master | exp_avg | exp_avg_sq). A step:
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -32,7 +37,7 @@ from ..errors import BufferMismatchError, ConfigError
 from ..snapshot import export_hdf5, import_hdf5
 from ..store import TierStore
 from .partition import Piece, SubGroup, partition
-from .staging import FP32, CachePolicy, SubGroupStager
+from .staging import FP32, CachePolicy, SubGroupStager, _is_integer
 
 STATE_PARTS = 3  # master weights, exp_avg, exp_avg_sq
 
@@ -62,9 +67,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
         cache_policy: CachePolicy = "model",
         namespace: str = "adamw",
     ) -> None:
-        if not lr >= 0.0 or not eps >= 0.0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(f"invalid lr {lr}, eps {eps} or betas {betas}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        hyperparameters = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        _check_hyperparameters(hyperparameters, "")
+        if not _is_integer(sub_group_size) or sub_group_size < 1:
+            raise ConfigError(f"sub_group_size: must be a positive integer, got {sub_group_size!r}")
+        if max_grad_norm is not None and not (_is_real(max_grad_norm) and max_grad_norm > 0.0):
+            raise ConfigError(f"max_grad_norm: must be None or a positive number, got {max_grad_norm!r}")
+        super().__init__(params, hyperparameters)
+        for number, group in enumerate(self.param_groups):
+            _check_hyperparameters(group, f"param_groups.{number}.")
         self.store = store
         self.max_grad_norm = max_grad_norm
         self.params = [p for group in self.param_groups for p in group["params"]]
@@ -87,6 +98,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             reserved_bytes=FP32 * largest,  # the fp32 gradient buffer
         )
         self.step_count = 0
+        """Steps taken (overflow-skipped ones excluded); the sub-group order alternates with it."""
+        self.param_steps = [0] * len(self.params)
+        """Per parameter, the steps on which it had a gradient: its bias correction, as in torch."""
         self.skipped_steps = 0
         self._grad = AlignedBuffer(FP32 * largest).view(FP32 * largest).view(torch.float32)
         self._write_all(None)
@@ -107,6 +121,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self.skipped_steps += 1
             return loss
         self.step_count += 1
+        for number, param in enumerate(self.params):
+            if param.grad is not None:
+                self.param_steps[number] += 1
         order = [sg.index for sg in self.subgroups]
         if self.step_count % 2 == 0:
             order.reverse()
@@ -122,20 +139,28 @@ class OffloadedAdamW(torch.optim.Optimizer):
         DRAM are written to the store first, so the store holds the same state as the dict."""
         self.stager.flush()
         masters, exp_avgs, exp_avg_sqs = self._gather()
-        step = torch.tensor(float(self.step_count))
         state = {
-            i: {"step": step.clone(), "exp_avg": m, "exp_avg_sq": v, "master_param": w}
-            for i, (w, m, v) in enumerate(zip(masters, exp_avgs, exp_avg_sqs, strict=True))
+            i: {"step": torch.tensor(float(steps)), "exp_avg": m, "exp_avg_sq": v, "master_param": w}
+            for i, (steps, w, m, v) in enumerate(
+                zip(self.param_steps, masters, exp_avgs, exp_avg_sqs, strict=True)
+            )
         }
         groups, start = [], 0
         for group in self.param_groups:
             groups.append({k: v for k, v in group.items() if k != "params"})
             groups[-1]["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
-        return {"state": state, "param_groups": groups, "skipped_steps": self.skipped_steps}
+        return {
+            "state": state,
+            "param_groups": groups,
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (same parameter shapes); the store is rewritten."""
+        """Restore a :meth:`state_dict` (same parameter shapes); the store is rewritten. Each
+        parameter's ``step`` is its own count (a parameter without an entry has taken none, as in
+        torch); dicts saved before per-parameter counts hold the global count in every entry."""
         groups, state = state_dict["param_groups"], state_dict["state"]
         if len(groups) != len(self.param_groups) or any(
             len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups, strict=True)
@@ -143,17 +168,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise BufferMismatchError("the state dict's parameter groups do not match this optimizer's")
         for group, saved in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        steps = {float(entry["step"]) for entry in state.values()} or {0.0}
-        self.step_count = int(max(steps))
+        entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
+        param_steps = [0 if entry is None else int(entry.get("step", 0)) for entry in entries]
+        self.step_count = int(state_dict.get("step_count", max(param_steps, default=0)))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        for i, param in enumerate(self.params):
-            entry = state.get(i, state.get(str(i)))
+        for i, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
             for name in ("exp_avg", "exp_avg_sq", "master_param"):
                 if entry is not None and name in entry and entry[name].shape != param.shape:
                     raise BufferMismatchError(
                         f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "
                         f"the parameter {tuple(param.shape)}"
                     )
+        self.param_steps = param_steps
         self.stager.drop_resident()
         self._write_all(state)
 
@@ -163,6 +189,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.stager.flush()
         metadata = {
             "step_count": self.step_count,
+            "param_steps": self.param_steps,
             "skipped_steps": self.skipped_steps,
             "subgroups": [sg.numel for sg in self.subgroups],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -170,7 +197,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         export_hdf5(self.store, path, [self.stager.key(sg.index) for sg in self.subgroups], metadata)
 
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
-        """Restore a :meth:`save_snapshot` (same parameters and ``sub_group_size``, same namespace)."""
+        """Restore a :meth:`save_snapshot` (same parameters and ``sub_group_size``, same namespace).
+        A snapshot from before per-parameter step counts gives every parameter the global count."""
         self.stager.drop_resident()
         metadata = import_hdf5(path, self.store)
         if metadata.get("subgroups") != [sg.numel for sg in self.subgroups]:
@@ -178,6 +206,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, metadata["param_groups"], strict=True):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
         self.step_count = int(metadata["step_count"])
+        param_steps = [int(n) for n in metadata.get("param_steps", [self.step_count] * len(self.params))]
+        if len(param_steps) != len(self.params):
+            raise BufferMismatchError(
+                f"{path}: it counts steps for {len(param_steps)} parameters, this optimizer has "
+                f"{len(self.params)}"
+            )
+        self.param_steps = param_steps
         self.skipped_steps = int(metadata["skipped_steps"])
         for sg in self.subgroups:  # the model follows the restored master weights
             self._copy_to_model(sg.pieces, self.stager.read(sg.index).view(STATE_PARTS, sg.numel)[0])
@@ -197,7 +232,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Delayed in-place gradient conversion, then one fused AdamW call over the sub-group."""
         group = self.param_groups[sg.group]
         master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
-        params, grads, ms, vs = [], [], [], []
+        params, grads, ms, vs, steps = [], [], [], [], []
+        step_tensors: dict[int, torch.Tensor] = {}
         for piece in sg.pieces:
             grad = self.params[piece.param].grad
             if grad is None:
@@ -209,13 +245,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             params.append(master[window])
             ms.append(exp_avg[window])
             vs.append(exp_avg_sq[window])
+            count = self.param_steps[piece.param]
+            steps.append(step_tensors.setdefault(count, torch.tensor(float(count))))
         if not params:
             return
         if coefficient != 1.0:
             self._grad[: sg.numel].mul_(coefficient)
         beta1, beta2 = group["betas"]
-        steps = [torch.tensor(float(self.step_count))] * len(params)
-        torch._fused_adamw_(  # same arithmetic as torch.optim.AdamW(fused=True) on CPU
+        torch._fused_adamw_(  # torch.optim.AdamW(fused=True)'s arithmetic; a step count per tensor
             params,
             grads,
             ms,
@@ -295,3 +332,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         row[piece.offset : piece.offset + piece.length]
                     )
         return parts[0], parts[1], parts[2]
+
+
+def _is_real(value: object) -> bool:
+    """A finite int or float (bool excluded): what the fused kernel takes as a hyper-parameter."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
+    """AdamW's hyper-parameters (the defaults, or a parameter group's): a :class:`ConfigError`
+    naming the field, rather than a wrong update or a failure deep inside the first step."""
+    for name in ("lr", "eps", "weight_decay"):
+        if not _is_real(group[name]) or group[name] < 0.0:
+            raise ConfigError(f"{where}{name}: must be a finite number >= 0, got {group[name]!r}")
+    betas = group["betas"]
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(_is_real(beta) and 0.0 <= beta < 1.0 for beta in betas)
+    ):
+        raise ConfigError(f"{where}betas: must be two numbers in [0, 1), got {betas!r}")

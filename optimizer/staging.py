@@ -52,10 +52,7 @@ class SubGroupStager:
         cache_policy: CachePolicy = "model",
         reserved_bytes: int = 0,
     ) -> None:
-        if prefetch_depth < 1:
-            raise ConfigError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
-        if cache_policy not in ("model", "static", "none"):
-            raise ConfigError(f"cache_policy must be 'model', 'static' or 'none', not {cache_policy!r}")
+        _check_settings(namespace, dram_budget, prefetch_depth, cache_policy)
         self.store = store
         self.namespace = namespace
         self.prefetch_depth = prefetch_depth
@@ -238,3 +235,28 @@ class SubGroupStager:
                 else PathSpeed(path.name, 1e9, 1e9)
             )
         return speeds
+
+
+def _check_settings(namespace: str, dram_budget: int | None, prefetch_depth: int, cache_policy: str) -> None:
+    """A :class:`ConfigError` naming the field, rather than a TypeError or a bad key at first use."""
+    if (
+        not isinstance(namespace, str)
+        or not namespace
+        or namespace.startswith("/")
+        or ".." in namespace.split("/")
+        or any(ord(c) < 32 for c in namespace)
+    ):
+        raise ConfigError(
+            "namespace: must be a non-empty string without control characters, a leading '/' or a "
+            f"'..' segment (it prefixes the store keys), got {namespace!r}"
+        )
+    if dram_budget is not None and (not _is_integer(dram_budget) or dram_budget < 0):
+        raise ConfigError(f"dram_budget: must be None or a number of bytes >= 0, got {dram_budget!r}")
+    if not _is_integer(prefetch_depth) or prefetch_depth < 1:
+        raise ConfigError(f"prefetch_depth: must be an integer >= 1, got {prefetch_depth!r}")
+    if cache_policy not in ("model", "static", "none"):
+        raise ConfigError(f"cache_policy: must be 'model', 'static' or 'none', got {cache_policy!r}")
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -19,7 +19,9 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
+import torch
 from tierstore.integrations.deepspeed import check_deepspeed_version, validate_config
+from tierstore.integrations.deepspeed.example import GPT
 
 from tierstore import ConfigError, UnsupportedVersionError
 
@@ -91,6 +93,75 @@ def test_losses_match_deepspeeds_own_nvme_offload(scratch: Path) -> None:
     for row in ours[2:]:  # the sub-group kept in DRAM skips its read and its write
         assert row["bytes_read"] < 12 * parameters and row["bytes_written"] < 12 * parameters
     assert not list((scratch / "ts").rglob("*gradient*"))
+
+
+def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
+@pytest.mark.skipif(deepspeed_aio_missing(), reason="DeepSpeed's async_io op needs Debian's libaio-dev")
+def test_a_block_skipped_on_some_steps_matches_deepspeeds_own_nvme_offload(scratch: Path) -> None:
+    """The last block gets no gradient on steps 1, 3 and 5. Stock DeepSpeed counts Adam steps per
+    sub-group, every step, and feeds a parameter without a gradient its stale one (read back from
+    its gradient file); tierstore must do the same. Stock's swapper writes files only for tensors
+    of at least its aio block (1 MiB of fp32); what it reads for smaller ones is leftover buffer
+    contents, so only the large ones are compared element-wise."""
+    common = [*SMALL, "--steps", "6", "--skip-last-block-at", "1,3,5"]
+    runs = {}
+    for offload in ("deepspeed", "tierstore"):
+        rows = train(
+            "--offload",
+            offload,
+            *common,
+            "--nvme",
+            str(scratch / offload),
+            "--parameters",
+            str(scratch / f"{offload}.pt"),
+            output=scratch / f"{offload}.json",
+        )
+        summary = json.loads((scratch / f"{offload}.json").read_text())
+        runs[offload] = (rows, summary["adam_steps"], torch.load(scratch / f"{offload}.pt"))
+    (stock_rows, stock_steps, stock), (our_rows, our_steps, ours) = runs["deepspeed"], runs["tierstore"]
+    assert losses(our_rows) == pytest.approx(losses(stock_rows), rel=BF16_TOLERANCE)
+    assert our_steps == stock_steps == [6] * len(stock_steps)
+    large = [name for name, value in stock.items() if value.numel() * 4 >= 1 << 20]
+    assert {"blocks.1.up.weight", "blocks.1.down.weight"} <= set(large)
+    for name in large:
+        assert relative_difference(ours[name], stock[name]) <= 5e-3, name
+
+
+def test_subgroups_without_a_gradient_yet_are_left_alone(scratch: Path) -> None:
+    """The last block is unused on both steps. With sub-groups of 200k elements two sub-groups
+    hold only its parameters (proj.bias, norm2, up and down.weight; DeepSpeed fills sub-groups
+    with whole parameters in model order). Stock DeepSpeed fails on them (no .grad to unscale);
+    tierstore gives them no gradient, so Adam skips them: no step counted, weights untouched."""
+    train(
+        "--offload",
+        "tierstore",
+        *SMALL,
+        "--sub-group-size",
+        "200000",
+        "--buffer-count",
+        "24",  # DRAM for the ring of the largest sub-group (the 524k embedding)
+        "--steps",
+        "2",
+        "--skip-last-block-at",
+        "0,1",
+        "--nvme",
+        str(scratch / "ts"),
+        "--parameters",
+        str(scratch / "ts.pt"),
+        output=scratch / "ts.json",
+    )
+    adam_steps = json.loads((scratch / "ts.json").read_text())["adam_steps"]
+    assert sorted(adam_steps) == [0, 0] + [2] * (len(adam_steps) - 2)
+    trained = torch.load(scratch / "ts.pt")
+    torch.manual_seed(0)
+    initial = GPT(vocab=2048, width=256, layers=2, heads=4, length=64).bfloat16().float().state_dict()
+    untouched = ["proj.bias", "norm2.weight", "norm2.bias", "up.weight", "up.bias", "down.weight"]
+    for name in untouched:
+        assert torch.equal(trained[f"blocks.1.{name}"], initial[f"blocks.1.{name}"]), name
+    assert not torch.equal(trained["blocks.0.up.weight"], initial["blocks.0.up.weight"])
 
 
 def test_checkpoint_resumes_exactly(scratch: Path) -> None:
@@ -176,6 +247,21 @@ def test_configuration_errors_name_the_field() -> None:
     for field, config in cases.items():
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             validate_config(config)
+
+
+def test_bad_tierstore_section_values_name_the_field() -> None:
+    """Booleans, fractions and strings are not counts: JSON ``true`` must not become 1."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}
+    cases = {
+        "prefetch_depth": [0, -1, 1.5, True, "2"],
+        "workers": [0, True, 2.5, "4"],
+        "dram_budget": [-1, True, 1.5, "lots"],
+    }
+    for field, values in cases.items():
+        for value in values:
+            config = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero, "tierstore": {field: value}}
+            with pytest.raises(ConfigError, match=rf"tierstore\.{field}: "):
+                validate_config(config)
 
 
 def test_unsupported_deepspeed_versions_are_refused() -> None:

@@ -1,7 +1,10 @@
 """OffloadedAdamW against torch.optim.AdamW (foreach=False), with its state in real tiers."""
 
+import json
 from pathlib import Path
+from typing import Any
 
+import h5py
 import pytest
 import torch
 from tierstore.backends import open_backend
@@ -269,3 +272,178 @@ def test_uneven_subgroups_never_keep_more_than_the_spare_buffers(tmp_path: Path)
                 param.grad = torch.randn(param.shape)
             groups.step()
             assert len(groups.stager.resident) <= len(groups.stager.buffers) - groups.stager.prefetch_depth
+
+
+SKIPPING_SHAPES = [(700,), (90, 10), (300,), (50,)]  # sub-groups of 1000: the 90x10 one straddles two
+
+
+def skipping_grads(step: int) -> list[bool]:
+    """Which parameters get a gradient on ``step``: each skips on its own schedule, and the last
+    has none until step 3."""
+    return [step % 3 != 1, step % 2 == 0, step % 4 != 2, step >= 3]
+
+
+def train_skipping(
+    optimizer: OffloadedAdamW, params: list[torch.nn.Parameter], steps: range, reference: Any = None
+) -> None:
+    """Steps with the gradients of :func:`skipping_grads` (``None`` elsewhere); ``reference`` (a
+    torch AdamW over fp32 copies) takes the same ones."""
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=generator).to(p.dtype) for p in params]
+        present = skipping_grads(step)
+        for param, grad, has in zip(params, grads, present, strict=True):
+            param.grad = grad if has else None
+        optimizer.step()
+        if reference is not None:
+            for param, grad, has in zip(reference.param_groups[0]["params"], grads, present, strict=True):
+                param.grad = grad.float() if has else None
+            reference.step()
+
+
+def skipping_params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in SKIPPING_SHAPES]
+
+
+@pytest.mark.parametrize("kind", ["dram", "nvme"])
+def test_parameters_skipping_steps_match_torch_adamw(tmp_path: Path, kind: str) -> None:
+    """torch counts steps per parameter (bias correction) and leaves a parameter without a
+    gradient untouched, weight decay included: so does OffloadedAdamW, also within one sub-group
+    whose pieces have different counts and for a parameter split across two sub-groups."""
+    with make_store(tmp_path, kind) as store:
+        params = skipping_params()
+        reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+        optimizer = OffloadedAdamW(params, store, lr=1e-2, weight_decay=0.1, sub_group_size=1000)
+        expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, foreach=False)
+        assert [[piece.param for piece in sg.pieces] for sg in optimizer.subgroups] == [[0, 1], [1, 2, 3]]
+        train_skipping(optimizer, params, range(8), expected)
+        torch_steps = [int(expected.state[p]["step"]) if p in expected.state else 0 for p in reference]
+        assert optimizer.param_steps == torch_steps == [5, 4, 6, 5]
+        assert optimizer.step_count == 8
+        assert_matches(optimizer, reference)
+        for param, want in zip(params, reference, strict=True):
+            assert torch.equal(param.detach(), want.detach().bfloat16())
+
+
+def test_a_parameter_first_trained_late_starts_its_own_bias_correction(tmp_path: Path) -> None:
+    """Two steps without a gradient, then one: the first update has step count 1 (about lr per
+    element, as torch's), not 3; and no weight decay before it."""
+    with make_store(tmp_path, "dram") as store:
+        late, early = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+        optimizer = OffloadedAdamW([early, late], store, lr=0.1, weight_decay=0.5, sub_group_size=16)
+        for step in range(3):
+            early.grad = torch.ones(8)
+            late.grad = torch.ones(8) if step == 2 else None
+            optimizer.step()
+            if step < 2:
+                assert torch.equal(late.detach(), torch.ones(8))
+        assert optimizer.param_steps == [3, 1]
+        # step count 1: m_hat / sqrt(v_hat) = 1, so 1 - lr * weight_decay - lr
+        torch.testing.assert_close(late.detach(), torch.full((8,), 1 - 0.1 * 0.5 - 0.1), rtol=0, atol=1e-6)
+
+
+def test_an_overflowing_step_counts_for_no_parameter(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        params = skipping_params()
+        optimizer = OffloadedAdamW(params, store, sub_group_size=1000)
+        train_skipping(optimizer, params, range(2))
+        before = list(optimizer.param_steps)
+        params[0].grad = torch.full(params[0].shape, float("inf")).bfloat16()
+        params[1].grad = None
+        optimizer.step()
+        assert optimizer.skipped_steps == 1 and optimizer.param_steps == before
+
+
+def test_skipping_parameters_save_load_continue_bit_identical(tmp_path: Path) -> None:
+    """Per-parameter step counts survive state_dict/load_state_dict and HDF5 snapshots."""
+    with make_store(tmp_path, "dram") as store:
+        params = skipping_params()
+        straight = OffloadedAdamW(params, store, sub_group_size=1000, namespace="straight")
+        train_skipping(straight, params, range(8))
+        expected = straight.master_params()
+
+    with make_store(tmp_path, "dram") as store:
+        params = skipping_params()
+        first = OffloadedAdamW(params, store, sub_group_size=1000, namespace="first")
+        train_skipping(first, params, range(4))
+        checkpoint = first.state_dict()
+        first.save_snapshot(tmp_path / "skipping.h5")
+        saved_params = [p.detach().clone() for p in params]
+    assert [int(checkpoint["state"][i]["step"]) for i in range(4)] == [3, 2, 3, 1]
+
+    with make_store(tmp_path, "nvme") as store:
+        params = skipping_params()
+        for param, saved in zip(params, saved_params, strict=True):
+            param.data.copy_(saved)
+        resumed = OffloadedAdamW(params, store, sub_group_size=1000, namespace="dict")
+        resumed.load_state_dict(checkpoint)
+        assert resumed.param_steps == [3, 2, 3, 1] and resumed.step_count == 4
+        train_skipping(resumed, params, range(4, 8))
+        for got, want in zip(resumed.master_params(), expected, strict=True):
+            assert torch.equal(got, want)
+
+    with make_store(tmp_path, "nvme") as store:
+        params = skipping_params()
+        resumed = OffloadedAdamW(params, store, sub_group_size=1000, namespace="first")
+        resumed.load_snapshot(tmp_path / "skipping.h5")
+        assert resumed.param_steps == [3, 2, 3, 1] and resumed.step_count == 4
+        train_skipping(resumed, params, range(4, 8))
+        for got, want in zip(resumed.master_params(), expected, strict=True):
+            assert torch.equal(got, want)
+
+
+def test_checkpoints_with_one_global_step_still_load(tmp_path: Path) -> None:
+    """Before per-parameter counts, every entry held the global count and snapshots had only
+    ``step_count``: every parameter gets the global count."""
+    with make_store(tmp_path, "dram") as store:
+        params = skipping_params()
+        optimizer = OffloadedAdamW(params, store, sub_group_size=1000, namespace="old")
+        train_skipping(optimizer, params, range(3))
+        old_dict = optimizer.state_dict()
+        del old_dict["step_count"]
+        for entry in old_dict["state"].values():
+            entry["step"] = torch.tensor(3.0)
+        optimizer.save_snapshot(tmp_path / "old.h5")
+        with h5py.File(tmp_path / "old.h5", "r+") as snapshot:
+            metadata = json.loads(snapshot.attrs["metadata"])
+            del metadata["param_steps"]
+            snapshot.attrs["metadata"] = json.dumps(metadata)
+
+        optimizer.load_state_dict(old_dict)
+        assert optimizer.param_steps == [3, 3, 3, 3] and optimizer.step_count == 3
+        optimizer.param_steps = [0, 0, 0, 0]
+        optimizer.load_snapshot(tmp_path / "old.h5")
+        assert optimizer.param_steps == [3, 3, 3, 3] and optimizer.step_count == 3
+
+
+@pytest.mark.parametrize(
+    ("option", "values"),
+    [
+        ("sub_group_size", [0, -5, 2.5, True, "1000"]),
+        ("prefetch_depth", [0, -1, 1.5, True, "2"]),
+        ("dram_budget", [-1, 1.5e6, "1GiB", True]),
+        ("cache_policy", ["lru", None, ["model"]]),
+        ("max_grad_norm", [0.0, -1.0, float("nan"), float("inf"), "1", True]),
+        ("lr", [-1e-3, float("nan"), float("inf"), "1e-3", None, True]),
+        ("eps", [-1e-8, float("nan"), "1e-8"]),
+        ("weight_decay", [-0.1, float("nan"), "0.01", None]),
+        ("betas", [(0.9,), (0.9, 0.999, 0.5), (1.0, 0.999), (0.9, -0.1), "ab", (0.9, float("nan")), 0.9]),
+        ("namespace", ["", "/abs", "a/../b", "bad\x00name", None, 7]),
+    ],
+)
+def test_bad_constructor_arguments_name_the_field(tmp_path: Path, option: str, values: list[object]) -> None:
+    with make_store(tmp_path, "dram") as store:
+        for value in values:
+            with pytest.raises(ConfigError, match=f"^{option}: "):
+                OffloadedAdamW([torch.nn.Parameter(torch.randn(100))], store, **{option: value})
+
+
+def test_bad_parameter_group_hyperparameters_name_the_group(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        groups = [
+            {"params": [torch.nn.Parameter(torch.randn(10))]},
+            {"params": [torch.nn.Parameter(torch.randn(10))], "lr": -1.0},
+        ]
+        with pytest.raises(ConfigError, match=r"^param_groups\.1\.lr: "):
+            OffloadedAdamW(groups, store)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
 from tierstore.config import CacheConfig, StoreConfig, TierConfig
 from tierstore.errors import ConfigError, config_error_from_validation
@@ -36,15 +36,23 @@ class TierstoreSection(BaseModel):
 
     tiers: list[TierConfig] | None = Field(None, min_length=1)
     """Where the fp32 optimizer state goes (as in a store config); default: NVMe at nvme_path."""
-    workers: int = Field(4, ge=1, le=256)
+    workers: int = Field(4, ge=1, le=256, strict=True)
     dram_budget: ByteSize | None = None
     """DRAM for staging optimizer state per rank: read-ahead ring, fp32 gradient scratch and the
     sub-groups kept between steps. Default: just the ring and the scratch (nothing kept)."""
-    prefetch_depth: int = Field(2, ge=1, le=64)
+    prefetch_depth: int = Field(2, ge=1, le=64, strict=True)
     cache_policy: Literal["model", "static", "none"] = "model"
     """Which sub-groups stay in DRAM across steps: the I/O model, MLP-Offload's last K, or none."""
     order: Literal["alternate", "ascending"] = "alternate"
     """Sub-group order per step: alternate forward/reverse (cache-friendly) or DeepSpeed's own."""
+
+    @field_validator("dram_budget", mode="before")
+    @classmethod
+    def _no_bool_budget(cls, value: Any) -> Any:
+        """JSON ``true`` would otherwise pass as a budget of 1 byte."""
+        if isinstance(value, bool):
+            raise ValueError("a number of bytes or a size such as '8GiB', not a boolean")
+        return value
 
     def store_config(self, nvme_path: str | Path, rank: int) -> StoreConfig:
         """The rank's store: no store-level cache (the stager holds the DRAM), default tier on

@@ -51,9 +51,12 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor, skip_last_block: bool = False
+    ) -> torch.Tensor:
+        """The loss; ``skip_last_block`` leaves the last block out (its parameters get no gradient)."""
         x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1]))
-        for block in self.blocks:
+        for block in self.blocks[:-1] if skip_last_block else self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
@@ -132,6 +135,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--load", type=Path, help="resume from this checkpoint directory")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--telemetry", type=Path, help="tierstore: each path's request history, per rank")
+    parser.add_argument(
+        "--skip-last-block-at",
+        type=lambda text: {int(step) for step in text.split(",")},
+        default=set(),
+        help="steps (comma-separated) whose forward leaves the last block out, so it gets no gradient",
+    )
+    parser.add_argument("--parameters", type=Path, help="rank 0 saves the trained parameters here (torch)")
     args = parser.parse_args(argv)
 
     for key, value in {
@@ -163,7 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         moved = sum(t.bytes_read for t in tiers), sum(t.bytes_written for t in tiers)
         tokens, targets = batch(args, step, rank, world)
         began = time.perf_counter()
-        loss = engine(tokens, targets)
+        loss = engine(tokens, targets, step in args.skip_last_block_at)
         forward = time.perf_counter()
         engine.backward(loss)
         backward = time.perf_counter()
@@ -189,7 +199,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             engine.save_checkpoint(str(args.save), tag="checkpoint")
     if args.json is not None and rank == 0:
         parameters = sum(p.ds_numel for p in model.parameters())  # type: ignore[attr-defined]
-        args.json.write_text(json.dumps({"parameters": parameters, "rows": rows}, indent=1))
+        adam_steps = [  # Adam's step count per sub-group (DeepSpeed's optimizer keeps one per flat partition)
+            int(engine.optimizer.optimizer.state[flat].get("step", 0))
+            for flat in engine.optimizer.fp32_partitioned_groups_flat
+        ]
+        args.json.write_text(
+            json.dumps({"parameters": parameters, "adam_steps": adam_steps, "rows": rows}, indent=1)
+        )
+    if args.parameters is not None:
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            if rank == 0:
+                torch.save(
+                    {name: p.detach().float().clone() for name, p in model.named_parameters()},
+                    args.parameters,
+                )
     if args.telemetry is not None and args.offload == "tierstore":
         paths = [path for tier in tiers for path in tier.paths]
         history = {path.name: list(path.scheduler.telemetry.history) for path in paths}

@@ -8,16 +8,41 @@ Nothing here edits DeepSpeed; each seam is an override or a scoped substitution,
    ``deepspeed.initialize`` and restores it after.
 2. ``_configure_tensor_swapping``: builds a :class:`TierStoreSwapper` (state in a TierStore through
    a :class:`~tierstore.optimizer.staging.SubGroupStager`) instead of DeepSpeed's aio swappers.
-3. ``_offload_grad_partition_at_boundary``: records the gradient norm only. Gradients stay in the
-   low-precision ``grad_partitions_flat_buffer``; no fp32 gradient is ever written to storage.
+3. ``_offload_grad_partition_at_boundary``: records the gradient norm (and that the parameter's
+   sub-group has had a gradient) only. Gradients stay in the low-precision
+   ``grad_partitions_flat_buffer``; no fp32 gradient is ever written to storage.
 4. ``_optimizer_states_and_gradient_swap_in``: after the state is in, converts the sub-group's
-   low-precision gradient slice into one reused fp32 buffer (delayed, in place) as ``.grad``.
+   low-precision gradient slice into one reused fp32 buffer (delayed, in place) as ``.grad``;
+   ``unscale_and_clip_grads`` passes over a sub-group left without one (see below).
 5. ``step``: visits sub-groups forward, then in reverse on the next step (cache-friendly order),
    and tells the swapper the order so it reads ahead and keeps the end of the pass in DRAM.
 6. Checkpoints: the engine copies ``swapper.swap_folder`` into ``<tag>/offloaded_tensors/rankNN``
    on save and back on load, then calls ``reset_swap_buffers``. ``_rigid_state_dict`` (save)
    exports a snapshot there (state objects, Adam step counts, loss scaler); ``reset_swap_buffers``
    (load) restores it; ``checkpoint_event_epilogue`` removes it again.
+
+Parameters without a gradient on a step (a module unused on that step), as stock DeepSpeed 0.19.8
+ZeRO-3 with its optimizer on NVMe does it (checked by running it; the integration's tests compare):
+
+* Adam's step count (``DeepSpeedCPUAdam``) is kept per optimizer tensor, which in ZeRO-3 is a whole
+  sub-group's flat fp32 partition; it advances on every step on which that partition has a
+  ``.grad``. So bias correction is per sub-group, not per parameter as in ``torch.optim.AdamW``
+  (or :class:`~tierstore.optimizer.OffloadedAdamW`): every sub-group that has had a gradient
+  counts every (not overflowed) step. tierstore keeps exactly these counts.
+* A missing gradient is not zeros: DeepSpeed never clears ``grad_partitions_flat_buffer`` between
+  steps, so the parameter's slot still holds its last gradient, and stock's swapper reads back
+  the last gradient file it wrote for it (large, aligned pieces): the stale gradient, unscaled
+  and clipped with the current step's coefficient, goes through Adam with weight decay, like the
+  rest of the sub-group. tierstore converts the same buffer slot, so it uses that same stale
+  gradient. Stock keeps small or misaligned pieces (below the aio block size) in memory instead,
+  drops them after each step and then reads whatever its reused swap buffer holds there (zeros
+  or another tensor's bytes): that is not reproducible, and tierstore uses the stale gradient
+  there too.
+* A sub-group none of whose parameters has had a gradient yet has no ``.grad`` in stock, whose
+  ``unscale_and_clip_grads`` then fails (``AttributeError``). tierstore leaves such a sub-group
+  without ``.grad`` as well, skips its unscaling, and ``DeepSpeedCPUAdam`` passes it over as it
+  does any tensor without a gradient: no update, no weight decay, its step count starting with
+  its first gradient.
 """
 
 from __future__ import annotations
@@ -349,6 +374,8 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         self.tierstore_section = parse_section(ds_config)
         self._tierstore_ready = False
         self._tierstore_passes = 0
+        self._trained_subgroups: set[int] = set()
+        """Sub-groups with a parameter that has had a gradient: the others get no ``.grad``."""
         super().__init__(*args, ds_config=ds_config, **kwargs)
         self._grad_offsets = [0, *itertools.accumulate(self.fp16_partitioned_groups_flat_numel)]
         self._tierstore_ready = True
@@ -371,17 +398,26 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
     def _offload_grad_partition_at_boundary(
         self, param: Any, grad_buffer: torch.Tensor, offload_fp32_gradients: Any, offload_fp32_offsets: Any
     ) -> None:
-        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+        param_id = self.get_param_id(param)
+        self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_buffer)
+        self._trained_subgroups.add(self.grad_position[param_id][0])
 
     # seam 4
     def _optimizer_states_and_gradient_swap_in(self, sub_group_id: int, timer_names: Any = None) -> None:
         super()._optimizer_states_and_gradient_swap_in(sub_group_id, timer_names)
         if not self._tierstore_ready:  # construction: the gradient buffer does not exist yet
             return
+        if sub_group_id not in self._trained_subgroups:  # as stock: no gradient yet, no .grad
+            return
         start, end = self._grad_offsets[sub_group_id], self._grad_offsets[sub_group_id + 1]
         gradient = self.optimizer_swapper.gradient[: end - start]
         gradient.copy_(self.grad_partitions_flat_buffer[start:end])
         self.fp32_partitioned_groups_flat[sub_group_id].grad = gradient
+
+    def unscale_and_clip_grads(self, sub_group_id: int, total_norm: Any) -> None:
+        """Stock fails on a sub-group without ``.grad``; there is nothing to scale."""
+        if self.fp32_partitioned_groups_flat[sub_group_id].grad is not None:
+            super().unscale_and_clip_grads(sub_group_id, total_norm)
 
     # seam 5: stock step() with the sub-group order made explicit (DeepSpeed 0.19.8, stage3.py)
     def step(self, closure: Any = None) -> None:
@@ -420,7 +456,13 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
     def _rigid_state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = super()._rigid_state_dict()
         scaler = {k: v for k, v in vars(self.loss_scaler).items() if isinstance(v, (bool, int, float))}
-        self.optimizer_swapper.export_snapshot({"loss_scaler": scaler, "passes": self._tierstore_passes})
+        self.optimizer_swapper.export_snapshot(
+            {
+                "loss_scaler": scaler,
+                "passes": self._tierstore_passes,
+                "trained_subgroups": sorted(self._trained_subgroups),
+            }
+        )
         return state
 
     def reset_swap_buffers(self) -> None:
@@ -428,6 +470,8 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         for key, value in extra["loss_scaler"].items():
             setattr(self.loss_scaler, key, value)
         self._tierstore_passes = int(extra["passes"])
+        # snapshots from before this was recorded: every sub-group counted as trained
+        self._trained_subgroups = set(extra.get("trained_subgroups", range(len(self.fp16_groups))))
         super().reset_swap_buffers()  # fp32 masters -> the model's low-precision partitions
 
     def checkpoint_event_epilogue(self) -> None:
