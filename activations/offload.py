@@ -29,6 +29,7 @@ stream with events, and back the same way; the compute stream never waits on the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -43,7 +44,7 @@ from torch import nn
 
 from ..buffers import AlignedBuffer, BufferPool
 from ..config import parse_byte_size
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreClosedError
 from ..model import PathSpeed, SavedTensor, SpillPlan, plan_spill
 from ..store import TierStore
 
@@ -572,10 +573,14 @@ class ActivationOffload:
         def delete() -> None:
             if reading is not None:
                 reading.exception()
-            self.store.delete(entry.key)
+            with contextlib.suppress(StoreClosedError):  # a closed store has let go of it already
+                self.store.delete(entry.key)
 
-        if not self._closed:
-            self._background.submit(delete)
+        # Closed, or the interpreter is exiting: a scratch store deletes its objects when it
+        # closes, and a persistent one collects scratch objects when it next opens.
+        with contextlib.suppress(RuntimeError):
+            if not self._closed:
+                self._background.submit(delete)
 
     def _occupy(self, nbytes: int) -> None:
         self._resident += nbytes

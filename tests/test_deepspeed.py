@@ -95,6 +95,20 @@ def test_losses_match_deepspeeds_own_nvme_offload(scratch: Path) -> None:
     assert not list((scratch / "ts").rglob("*gradient*"))
 
 
+def test_activations_spilled_through_the_engine_change_no_loss(scratch: Path) -> None:
+    """``tierstore.activations`` wraps the engine's forward: same losses to the bit, bytes spilled
+    and resident activations within the budget."""
+    common = [*SMALL, "--steps", "4", "--offload", "tierstore"]
+    plain = train(*common, "--nvme", str(scratch / "plain"), output=scratch / "plain.json")
+    section = json.dumps({"budget": "4MiB", "min_bytes": "32KiB", "plan": "lifetime"})
+    spilled = train(
+        *common, "--activations", section, "--nvme", str(scratch / "act"), output=scratch / "act.json"
+    )
+    assert losses(spilled) == losses(plain)
+    assert all(row["activations_spilled_bytes"] > 0 for row in spilled)
+    assert all(0 < row["activations_peak_resident_bytes"] <= 4 << 20 for row in spilled)
+
+
 def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).norm() / expected.norm())
 
@@ -261,6 +275,13 @@ def test_bad_tierstore_section_values_name_the_field() -> None:
         for value in values:
             config = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero, "tierstore": {field: value}}
             with pytest.raises(ConfigError, match=rf"tierstore\.{field}: "):
+                validate_config(config)
+    activation_cases = {"budget": [-1, True, "lots"], "min_bytes": [False, "x"], "plan": ["sometimes", 1]}
+    for field, values in activation_cases.items():
+        for value in values:
+            section = {"activations": {field: value}}
+            config = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero, "tierstore": section}
+            with pytest.raises(ConfigError, match=rf"tierstore\.activations\.{field}: "):
                 validate_config(config)
 
 

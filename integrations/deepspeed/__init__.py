@@ -8,7 +8,9 @@ where you called ``deepspeed.initialize``::
     engine, optimizer, _, _ = ts_deepspeed.initialize(model=model, model_parameters=params, config=cfg)
 
 Everything else (``engine.backward``, ``engine.step``, ``save_checkpoint``, ``load_checkpoint``)
-is DeepSpeed's own. No DeepSpeed file is edited; the seams are in :mod:`.seams`.
+is DeepSpeed's own. With ``tierstore.activations`` in the section, the engine's forward also
+spills the activations it saves through the same store (``engine.tierstore_activations``).
+No DeepSpeed file is edited; the seams are in :mod:`.seams`.
 """
 
 from __future__ import annotations
@@ -107,9 +109,13 @@ def initialize(*, config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: 
     if kwargs.get("optimizer") is not None:
         raise ConfigError("optimizer: pass the optimizer through the config's 'optimizer' section")
     checked = validate_config(config)
+    section = parse_section(checked)
     import deepspeed
 
-    from .seams import substituted_optimizer
+    from .seams import offload_activations, substituted_optimizer
 
     with substituted_optimizer():
-        return deepspeed.initialize(config=checked, **kwargs)
+        result = deepspeed.initialize(config=checked, **kwargs)
+    if section.activations is not None:
+        offload_activations(result[0], section.activations)
+    return result

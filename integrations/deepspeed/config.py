@@ -11,7 +11,8 @@ unknown keys, so the section sits at the top level::
         "dram_budget": "8GiB",
         "prefetch_depth": 2,
         "cache_policy": "model",
-        "order": "alternate"
+        "order": "alternate",
+        "activations": {"budget": "2GiB", "min_bytes": "1MiB", "plan": "lifetime"}
     }
 
 Without ``tiers``, one NVMe tier under ``offload_optimizer.nvme_path`` is used.
@@ -31,6 +32,24 @@ from tierstore.errors import ConfigError, config_error_from_validation
 SECTION = "tierstore"
 
 
+class ActivationsSection(BaseModel):
+    """``tierstore.activations``: the keys of :class:`tierstore.activations.ActivationOffload`,
+    applied around the engine's forward on the optimizer's store."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget: ByteSize = ByteSize(512 << 20)
+    min_bytes: ByteSize = ByteSize(1 << 20)
+    plan: Literal["lifetime", "all", "none"] = "lifetime"
+
+    @field_validator("budget", "min_bytes", mode="before")
+    @classmethod
+    def _no_bool_size(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("a number of bytes or a size such as '512MiB', not a boolean")
+        return value
+
+
 class TierstoreSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -45,6 +64,8 @@ class TierstoreSection(BaseModel):
     """Which sub-groups stay in DRAM across steps: the I/O model, MLP-Offload's last K, or none."""
     order: Literal["alternate", "ascending"] = "alternate"
     """Sub-group order per step: alternate forward/reverse (cache-friendly) or DeepSpeed's own."""
+    activations: ActivationsSection | None = None
+    """Spill the activations saved in forward through the same store (default: keep them)."""
 
     @field_validator("dram_budget", mode="before")
     @classmethod

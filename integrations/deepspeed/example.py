@@ -93,6 +93,8 @@ def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
         }
         if args.tiers:
             section["tiers"] = json.loads(args.tiers)
+        if args.activations:
+            section["activations"] = json.loads(args.activations)
         config["tierstore"] = section
     return config
 
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--offload", choices=["deepspeed", "tierstore"], required=True)
     parser.add_argument("--nvme", type=Path, required=True, help="offload_optimizer.nvme_path")
     parser.add_argument("--tiers", help="tierstore tiers as JSON (default: NVMe under --nvme)")
+    parser.add_argument("--activations", help='tierstore: spill activations, e.g. \'{"budget": "64MiB"}\'')
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=768)
@@ -192,6 +195,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if tiers:  # what tierstore moved this step (DeepSpeed's own swapper keeps no such count)
             row["bytes_read"] = sum(t.bytes_read for t in tiers) - moved[0]
             row["bytes_written"] = sum(t.bytes_written for t in tiers) - moved[1]
+        offload = getattr(engine, "tierstore_activations", None)
+        if offload is not None:
+            stats = offload.stats()
+            row["activations_spilled_bytes"] = stats["spilled_bytes"]
+            row["activations_peak_resident_bytes"] = stats["step_peak_resident_bytes"]
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)

@@ -16,7 +16,10 @@ Nothing here edits DeepSpeed; each seam is an override or a scoped substitution,
    ``unscale_and_clip_grads`` passes over a sub-group left without one (see below).
 5. ``step``: visits sub-groups forward, then in reverse on the next step (cache-friendly order),
    and tells the swapper the order so it reads ahead and keeps the end of the pass in DRAM.
-6. Checkpoints: the engine copies ``swapper.swap_folder`` into ``<tag>/offloaded_tensors/rankNN``
+6. ``engine.forward``: with ``tierstore.activations`` in the section, :func:`offload_activations`
+   wraps the engine's forward (an instance attribute over the method) in an
+   :class:`~tierstore.activations.ActivationOffload` on the swapper's store.
+7. Checkpoints: the engine copies ``swapper.swap_folder`` into ``<tag>/offloaded_tensors/rankNN``
    on save and back on load, then calls ``reset_swap_buffers``. ``_rigid_state_dict`` (save)
    exports a snapshot there (state objects, Adam step counts, loss scaler); ``reset_swap_buffers``
    (load) restores it; ``checkpoint_event_epilogue`` removes it again.
@@ -47,6 +50,7 @@ ZeRO-3 with its optimizer on NVMe does it (checked by running it; the integratio
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -60,13 +64,14 @@ import deepspeed.runtime.zero.stage3 as stage3
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from tierstore.activations import ActivationOffload
 from tierstore.optimizer.staging import FP32, SubGroupStager
 
 from tierstore.buffers import AlignedBuffer
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError, UnsupportedVersionError
 from tierstore.store import TierStore
 
-from .config import TierstoreSection, parse_section
+from .config import ActivationsSection, TierstoreSection, parse_section
 
 _BaseOptimizer: Any = stage3.DeepSpeedZeroOptimizer_Stage3
 MAX_STATE_TENSORS = 2  # Adam/AdamW: exp_avg, exp_avg_sq
@@ -110,6 +115,26 @@ def substituted_optimizer() -> Iterator[None]:
         yield
     finally:
         stage3.DeepSpeedZeroOptimizer_Stage3 = _BaseOptimizer
+
+
+def offload_activations(engine: Any, settings: ActivationsSection) -> ActivationOffload:
+    """Spill what the engine's forward saves for backward through the optimizer's store (one store,
+    one set of tiers and limits for both workloads); ``engine.tierstore_activations`` holds it."""
+    store = engine.optimizer.optimizer_swapper.store
+    offload = ActivationOffload(
+        store, budget=settings.budget, min_bytes=settings.min_bytes, plan=settings.plan
+    )
+    forward = engine.forward
+
+    @functools.wraps(forward)
+    def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+        with offload:
+            return forward(*args, **kwargs)
+
+    engine.forward = offloaded_forward
+    engine.tierstore_activations = offload
+    weakref.finalize(engine, offload.close)
+    return offload
 
 
 class TierStoreSwapper:
