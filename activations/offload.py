@@ -185,6 +185,8 @@ class ActivationOffload:
             raise ConfigError(f"plan: must be one of {', '.join(map(repr, PLANS))}, not {plan!r}")
         self.plan_mode: Plan = plan
         self.namespace = namespace
+        self._reservation = store.memory.reserve(f"activations {namespace}", self.budget)
+        weakref.finalize(self, store.memory.release, self._reservation)
         self._serials = itertools.count()
         self._steps = itertools.count(1)
         self._cond = threading.Condition()
@@ -343,6 +345,7 @@ class ActivationOffload:
         self.synchronize()
         self._background.shutdown(wait=True)
         self._staging.clear()
+        self.store.memory.release(self._reservation)
         self._closed = True
 
     # -- hooks ------------------------------------------------------------------------------------

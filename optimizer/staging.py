@@ -17,6 +17,7 @@ budget allows, each the size of the largest sub-group. Nothing else is allocated
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
@@ -66,6 +67,8 @@ class SubGroupStager:
                 f"({prefetch_depth} sub-group buffers of {self.slot_bytes}"
                 + (f" + {reserved_bytes} for gradients)" if reserved_bytes else ")")
             )
+        reservation = store.memory.reserve(f"optimizer {namespace}", self.dram_budget)
+        weakref.finalize(self, store.memory.release, reservation)
         spare = (self.dram_budget - working) // self.slot_bytes
         self.buffers = [
             AlignedBuffer(self.slot_bytes).view(self.slot_bytes).view(torch.float32)

@@ -36,6 +36,12 @@ def test_train_offloads_optimizer_state_and_activations(
         assert step["keep_in_memory_activation_bytes"] > 2 * (4 << 20)
     assert report["steps"][-1]["activation_plan"] == "lifetime"
     assert report["activation_stats"]["spilled_bytes"] > 0
+    assert report["memory"]["budget_bytes"] == 5 << 20  # one ledger: 1 MiB optimizer + 4 MiB activations
+    assert sorted(report["memory"]["reserved_bytes"]) == [
+        "activations activations",
+        "cache",
+        "optimizer adamw",
+    ]
     assert not (tmp_path / "data").exists()  # no objects left, nor the directory the run made
 
 

@@ -177,7 +177,13 @@ def run_training(
     corpus = byte_corpus()
     parameters = sum(p.numel() for p in model.parameters())
     state_bytes = 12 * parameters  # fp32 master weights + two moments
-    store_settings = settings.model_copy(update={"cache": settings.cache.model_copy(update={"budget": 0})})
+    # One DRAM ledger for both workloads: the store holds exactly their two budgets.
+    store_settings = settings.model_copy(
+        update={
+            "cache": settings.cache.model_copy(update={"budget": 0}),
+            "memory_budget": budget + activation_budget,
+        }
+    )
     report: dict[str, Any] = {
         "parameters": parameters,
         "fp32_state_bytes": state_bytes,
@@ -198,6 +204,7 @@ def run_training(
         )
         offload = ActivationOffload(store, budget=activation_budget, min_bytes="256KiB", plan="lifetime")
         report["subgroups"] = len(optimizer.subgroups)
+        report["memory"] = store.stats()["memory"]
         for step in range(steps):
             tokens, targets = batch_of(corpus, step, batch, length)
             before = {t.name: t.bytes_read + t.bytes_written for t in store.tiers}

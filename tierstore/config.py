@@ -161,6 +161,10 @@ class StoreConfig(ConfigModel):
     Without it the store is scratch space, deleted at close."""
     verify: Literal["always", "sampled", "off"] = "always"
     """Check extent checksums on read: every read, one in 16, or never (then none are computed)."""
+    memory_budget: ByteSize | None = None
+    """DRAM for everything on this store: its cache plus what workloads reserve (the optimizer's
+    staging, the activations held for backward); a workload that would go over fails at start.
+    None: reservations are counted, not bounded."""
 
     @field_validator("tiers")
     @classmethod

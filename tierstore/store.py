@@ -63,6 +63,7 @@ from .errors import (
 )
 from .limits import Priority
 from .manifest import Manifest
+from .memory import MemoryLedger
 from .model import PathSpeed
 from .tier import Placement, Tier
 
@@ -120,8 +121,17 @@ class TierStore:
         workers: int = 4,
         manifest: str | os.PathLike[str] | None = None,
         verify: Verify = "always",
+        memory_budget: int | None = None,
     ) -> None:
         _check_arguments(tiers, cache_budget, policy, workers, verify)
+        if memory_budget is not None and (not _is_integer(memory_budget) or memory_budget < cache_budget):
+            raise ConfigError(
+                f"memory_budget: must be a number of bytes >= the cache budget ({cache_budget}), "
+                f"not {memory_budget!r}"
+            )
+        self.memory = MemoryLedger(memory_budget)
+        """The DRAM ledger the store's workloads reserve their budgets from (see :mod:`.memory`)."""
+        self.memory.reserve("cache", cache_budget)
         self.tiers = [
             tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
@@ -176,6 +186,7 @@ class TierStore:
                 workers=settings.workers,
                 manifest=settings.manifest,
                 verify=settings.verify,
+                memory_budget=settings.memory_budget,
             )
         except BaseException:
             for opened in tiers:
@@ -297,6 +308,7 @@ class TierStore:
             return {
                 **self._stats,
                 "cache_budget_bytes": self._pool.capacity,
+                "memory": {"budget_bytes": self.memory.capacity, "reserved_bytes": self.memory.held()},
                 "cache_bytes": self._pool.allocated_bytes,
                 "peak_cache_bytes": self._peak_cache_bytes,
                 "tiers": {tier.name: tier.stats() for tier in self.tiers},
