@@ -38,7 +38,7 @@ import numpy as np
 from pydantic import ByteSize, Field
 
 from ..errors import BackendIOError, KeyNotFoundError
-from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
 
 SLOTS = 2
 SlotCallback = Callable[[np.ndarray, int, int], None]
@@ -69,6 +69,7 @@ class Adios2Backend(Backend):
         super().__init__(options)
         assert isinstance(options, Adios2Options)
         self.root = prepare_root(options.path, self.scheme)
+        self._location = Location.of_directory(self.root)
         self._worker: _Worker | None = None
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -84,6 +85,9 @@ class Adios2Backend(Backend):
             persistent=True,
             direct_io=False,
         )
+
+    def location(self) -> Location:
+        return self._location
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:

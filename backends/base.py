@@ -13,6 +13,9 @@ and moves byte ranges between them and caller buffers. Its life cycle:
 3. **close**: :meth:`~Backend.close` waits for I/O in flight and releases resources; every call
    afterwards raises :class:`~tierstore.errors.StoreClosedError`.
 
+Two backends of one store must not share a medium (their object names would clash): each reports
+where its objects live (:meth:`~Backend.location`) and the store refuses equal ones.
+
 Object semantics are those of a file: ``write`` creates the object if needed and grows it to
 ``max(size, offset + len(data))`` (a backend without ``partial_writes`` takes only whole-object
 writes at offset 0, which replace the object); ``read_into`` fills the whole buffer or raises
@@ -30,7 +33,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Any, ClassVar, Self
@@ -66,6 +69,21 @@ class Capabilities:
     """Objects survive the process (False for memory backends)."""
     direct_io: bool = False
     """Transfers bypass the operating system's page cache."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a backend keeps its objects: two backends with equal locations would read and write
+    the same objects. ``identity`` decides equality; ``shown`` is for messages."""
+
+    identity: tuple[str | int, ...]
+    shown: str = field(compare=False)
+
+    @classmethod
+    def of_directory(cls, root: Path) -> Location:
+        """A directory by device and inode, so aliases (``/d/./``, symlinks, bind mounts) match."""
+        status = os.stat(root)
+        return cls(("directory", status.st_dev, status.st_ino), str(root.resolve()))
 
 
 def _page_multiple(value: ByteSize) -> ByteSize:
@@ -190,6 +208,13 @@ class Backend(ABC):
         self._check_open()
         return sorted(self._list())
 
+    # -- sharing a medium -------------------------------------------------------------------------
+    def location(self) -> Location | None:
+        """Where this backend's objects live; None if they are private to this instance (memory).
+
+        Persistent backends override this: a store refuses two paths with the same location."""
+        return None
+
     # -- life cycle -------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -295,6 +320,9 @@ class WrapperBackend(Backend):
 
     def _list(self) -> builtins.list[str]:
         return self.inner.list()
+
+    def location(self) -> Location | None:
+        return self.inner.location()
 
     def _close(self) -> None:
         self.inner.close()

@@ -43,7 +43,7 @@ from pydantic import ByteSize, Field
 from .._futures import when_all
 from ..buffers import ALIGNMENT, AlignedBuffer, buffer_address, round_up
 from ..errors import BackendIOError, ConfigError, KeyNotFoundError, UnwritablePathError
-from .base import Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
+from .base import Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -76,6 +76,7 @@ class NvmeBackend(Backend):
         super().__init__(options)
         assert isinstance(options, NvmeOptions)
         self.root = prepare_root(options.path, self.scheme)
+        self._location = Location.of_directory(self.root)
         self._chunk = int(options.chunk_bytes)
         try:
             self.direct = self._probe_direct(options.direct)
@@ -90,6 +91,9 @@ class NvmeBackend(Backend):
         self._spares: dict[int, list[Path]] = {}  # size -> files renamed aside by delete
         self._spare_names = itertools.count()
         self._spare_lock = threading.Lock()
+
+    def location(self) -> Location:
+        return self._location
 
     @property
     def capabilities(self) -> Capabilities:

@@ -23,6 +23,7 @@ A path uses zarr's ``LocalStore``; any other URL uses ``FsspecStore`` with ``sto
 from __future__ import annotations
 
 import os
+import posixpath
 import threading
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +40,7 @@ from zarr.storage import FsspecStore, LocalStore
 
 from .._futures import when_all
 from ..errors import BackendIOError, KeyNotFoundError
-from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
 
 LOCAL_PROTOCOLS = (None, "file", "local")
 
@@ -71,9 +72,13 @@ class ZarrBackend(Backend):
         self.local_root: Path | None = None
         if protocol in LOCAL_PROTOCOLS:
             self.local_root = prepare_root(Path(path), "zarr")
+            self._location = Location.of_directory(self.local_root)
             self.store: LocalStore | FsspecStore = LocalStore(self.local_root)
         else:
             self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
+            # Storage options (credentials, endpoints) are not compared: only the normalised URL.
+            url = self.store.fs.unstrip_protocol(posixpath.normpath(self.store.path))
+            self._location = Location(("url", url), url)
         self._persistent = protocol != "memory"
         self._chunk = int(options.chunk_bytes)
         self._arrays: dict[str, zarr.Array[Any]] = {}
@@ -84,6 +89,9 @@ class ZarrBackend(Backend):
     def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
         protocol = scheme.partition("+")[2] or "file"
         return {"url": f"{protocol}://{location}", **query}
+
+    def location(self) -> Location:
+        return self._location
 
     @property
     def capabilities(self) -> Capabilities:

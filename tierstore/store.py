@@ -61,7 +61,7 @@ from .errors import (
 )
 from .limits import Priority
 from .manifest import Manifest
-from .tier import Placement, Tier
+from .tier import Placement, Tier, check_distinct_locations
 
 MAX_KEY_LENGTH = 1024
 _log = logging.getLogger("tierstore")
@@ -125,6 +125,7 @@ class TierStore:
         self.tiers = [
             tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
+        check_distinct_locations(self.tiers)
         for tier in self.tiers:
             tier.checksums = verify != "off"
         self.verify = verify
