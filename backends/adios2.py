@@ -2,10 +2,13 @@
 
 **Layout.** ``<path>/<name>.bp`` is a BP5 directory holding one global 1-D ``uint8`` variable,
 ``data``, written in one step. Any ADIOS2 reader (``bpls``, ``adios2.FileReader``) can open it.
-A write goes to ``<path>/.<name>.bp.tmp-*`` and is renamed into place when complete, so a reader
-never sees a half-written object. One file per object, rather than one append-only file for all
-objects, means an overwrite or delete frees space at once, with no compaction. The
-``profiling.json`` ADIOS2 drops into every ``.bp`` directory is removed.
+A write goes to ``<path>/.writing-<id>/<name>.bp``, a directory private to this backend instance,
+and is renamed into place when complete, so a reader never sees a half-written object. After a
+crash the next backend opened on the directory removes it (:mod:`tierstore.backends.private`),
+as it does a scratch store's ``.scratch-<id>/`` (:meth:`~Adios2Backend.claim_scratch`). One file
+per object, rather than one append-only file for all objects, means an overwrite or delete frees
+space at once, with no compaction. The ``profiling.json`` ADIOS2 drops into every ``.bp``
+directory is removed.
 
 **Worker process.** ADIOS2's bindings hold the GIL during put/get, which would stall every other
 thread of the store; so ADIOS2 runs in a child process (``_adios2_worker.py``) and data moves
@@ -27,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +41,7 @@ from pydantic import ByteSize, Field
 
 from ..errors import BackendIOError, KeyNotFoundError
 from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
+from .private import PrivateDirectory, remove_abandoned
 
 SLOTS = 2
 SlotCallback = Callable[[np.ndarray, int, int], None]
@@ -70,6 +73,10 @@ class Adios2Backend(Backend):
         assert isinstance(options, Adios2Options)
         self.root = prepare_root(options.path, self.scheme)
         self._location = Location.of_directory(self.root)
+        for kind in ("writing", "scratch"):  # left by backends that ended without closing
+            remove_abandoned(self.root, kind)
+        self._writing: PrivateDirectory | None = None  # made by the first write
+        self._scratch: PrivateDirectory | None = None
         self._worker: _Worker | None = None
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -89,13 +96,23 @@ class Adios2Backend(Backend):
     def location(self) -> Location:
         return self._location
 
+    def claim_scratch(self) -> None:
+        """Objects written from now on go to a private ``.scratch-<id>/`` directory."""
+        self._check_open()
+        if self._scratch is None:
+            self._scratch = PrivateDirectory(self.root, "scratch")
+            self.root = self._scratch.path
+
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
         return self._dispatch.submit(self._write_now, name, data)
 
     def _write_now(self, name: str, data: memoryview) -> None:
+        """Runs on the dispatch thread, one write at a time."""
         final = self._path(name)
-        temporary = self.root / f".{name}.bp.tmp-{uuid.uuid4().hex[:8]}"
+        if self._writing is None:
+            self._writing = PrivateDirectory(self.root, "writing")
+        temporary = self._writing.path / final.name
         worker = self._ensure_worker()
         try:
             worker.call(
@@ -193,6 +210,9 @@ class Adios2Backend(Backend):
         self._dispatch.shutdown(wait=True)
         if self._worker is not None:
             self._worker.stop()
+        for private in (self._writing, self._scratch):
+            if private is not None:
+                private.remove()
 
     def _path(self, name: str) -> Path:
         return self.root / f"{name}.bp"

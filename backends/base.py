@@ -14,7 +14,9 @@ and moves byte ranges between them and caller buffers. Its life cycle:
    afterwards raises :class:`~tierstore.errors.StoreClosedError`.
 
 Two backends of one store must not share a medium (their object names would clash): each reports
-where its objects live (:meth:`~Backend.location`) and the store refuses equal ones.
+where its objects live (:meth:`~Backend.location`) and the store refuses equal ones. A scratch
+store asks its backends to keep its objects apart (:meth:`~Backend.claim_scratch`), so that they
+are removed even if the process dies before deleting them.
 
 Object semantics are those of a file: ``write`` creates the object if needed and grows it to
 ``max(size, offset + len(data))`` (a backend without ``partial_writes`` takes only whole-object
@@ -30,6 +32,7 @@ from __future__ import annotations
 import builtins
 import os
 import re
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -101,11 +104,12 @@ def prepare_root(root: Path, scheme: str) -> Path:
 
     Raises :class:`~tierstore.errors.UnwritablePathError` naming the path otherwise."""
     root = root.expanduser().absolute()
-    probe = root / f".tierstore-probe-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        probe.write_bytes(b"")
-        probe.unlink()
+        # A unique name: backends opened at once on one root must not remove each other's probe.
+        fd, probe = tempfile.mkstemp(prefix=".tierstore-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as error:
         raise UnwritablePathError(
             error.errno, f"{scheme}: cannot write to {root}: {error.strerror}"
@@ -215,6 +219,15 @@ class Backend(ABC):
         Persistent backends override this: a store refuses two paths with the same location."""
         return None
 
+    def claim_scratch(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Keep the objects written from now on apart from everyone else's, for a scratch store.
+
+        A backend on a shared medium puts them in a directory private to this instance, removed
+        at :meth:`close` or, if the process dies first, by the next backend opened on the same
+        medium (:mod:`tierstore.backends.private`). Memory backends need nothing: their objects
+        end with the process. Call it before writing the first object.
+        """
+
     # -- life cycle -------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -323,6 +336,9 @@ class WrapperBackend(Backend):
 
     def location(self) -> Location | None:
         return self.inner.location()
+
+    def claim_scratch(self) -> None:
+        self.inner.claim_scratch()
 
     def _close(self) -> None:
         self.inner.close()

@@ -18,6 +18,10 @@ Other stores, or arrays written compressed by someone else, go through zarr
 (``array[a:b] = ...``, ``get_basic_selection(out=...)``).
 
 A path uses zarr's ``LocalStore``; any other URL uses ``FsspecStore`` with ``storage_options``.
+On a path, a scratch store's objects go to ``<path>/.scratch-<id>/`` (:meth:`~ZarrBackend.claim_scratch`),
+removed at close or, after a crash, by the next backend opened on the path
+(:mod:`tierstore.backends.private`); other URLs cannot mark a live owner, so there they stay among
+the rest.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from zarr.storage import FsspecStore, LocalStore
 from .._futures import when_all
 from ..errors import BackendIOError, KeyNotFoundError
 from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
+from .private import PrivateDirectory, remove_abandoned
 
 LOCAL_PROTOCOLS = (None, "file", "local")
 
@@ -73,12 +78,14 @@ class ZarrBackend(Backend):
         if protocol in LOCAL_PROTOCOLS:
             self.local_root = prepare_root(Path(path), "zarr")
             self._location = Location.of_directory(self.local_root)
+            remove_abandoned(self.local_root, "scratch")  # left by scratch stores that crashed
             self.store: LocalStore | FsspecStore = LocalStore(self.local_root)
         else:
             self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
             # Storage options (credentials, endpoints) are not compared: only the normalised URL.
             url = self.store.fs.unstrip_protocol(posixpath.normpath(self.store.path))
             self._location = Location(("url", url), url)
+        self._scratch: PrivateDirectory | None = None
         self._persistent = protocol != "memory"
         self._chunk = int(options.chunk_bytes)
         self._arrays: dict[str, zarr.Array[Any]] = {}
@@ -92,6 +99,16 @@ class ZarrBackend(Backend):
 
     def location(self) -> Location:
         return self._location
+
+    def claim_scratch(self) -> None:
+        """On a path, objects written from now on go to a private ``.scratch-<id>/`` directory."""
+        self._check_open()
+        if self.local_root is not None and self._scratch is None:
+            self._scratch = PrivateDirectory(self.local_root, "scratch")
+            self.local_root = self._scratch.path
+            self._arrays.clear()
+            self.store.close()
+            self.store = LocalStore(self.local_root)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -215,6 +232,8 @@ class ZarrBackend(Backend):
         self._pool.shutdown(wait=True)
         self._arrays.clear()
         self.store.close()
+        if self._scratch is not None:
+            self._scratch.remove()
 
 
 def _read_chunk_file(path: Path, at: int, out: memoryview) -> None:

@@ -142,6 +142,9 @@ class TierStore:
         self._peak_cache_bytes = 0
         self._closed = False
         self._manifest = None if manifest is None else Manifest(manifest)
+        if self._manifest is None:  # a crash must not leave a scratch store's objects behind
+            for tier in self.tiers:
+                tier.claim_scratch()
         # Tier objects of concurrent stores in one directory never clash; a persistent store's
         # prefix is journaled first, so an interrupted write's object is recognised as garbage.
         token = secrets.token_hex(4) if self._manifest is None else self._manifest.token

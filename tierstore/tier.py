@@ -315,6 +315,12 @@ class Tier:
         future.add_done_callback(count)
         return future
 
+    def claim_scratch(self) -> None:
+        """For a scratch store: each path keeps this store's objects apart and removes them even
+        if the process dies (:meth:`Backend.claim_scratch`)."""
+        for path in self.paths:
+            path.backend.claim_scratch()
+
     def discard(self, placement: Placement) -> None:
         """Delete an object version from every path and give its capacity back."""
         self._delete_extents(placement.name, placement.extents)
