@@ -13,7 +13,11 @@ directory is removed.
 **Worker process.** ADIOS2's bindings hold the GIL during put/get, which would stall every other
 thread of the store; so ADIOS2 runs in a child process (``_adios2_worker.py``) and data moves
 through two shared-memory slots of ``transfer_bytes`` (one filled while the other is written).
-The cost is one memcpy per direction. Requests to one backend are served one at a time.
+The cost is one memcpy per direction. Requests to one backend are served one at a time. The slots
+are an anonymous memory file (``memfd_create``) handed to the worker as a file descriptor, so a
+crash at any moment leaves nothing in ``/dev/shm``; the worker runs in a session of its own (a
+Ctrl-C in the terminal reaches the store's process, not the worker) and exits quietly once the
+store's process is gone.
 
 Only whole objects are written (``partial_writes`` is False): ADIOS2 files are append-only.
 Writes default to ``StatsLevel=0`` (no min/max per block) and a large ``BufferChunkSize``, which
@@ -235,11 +239,10 @@ class _Worker:
 
     def __init__(self, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, shm_path = tempfile.mkstemp(prefix="tierstore-adios2-", dir=shm_dir)
+        memory_fd = _anonymous_memory_file("tierstore-adios2")
         try:
-            os.ftruncate(fd, slot_bytes * SLOTS)
-            self._memory = mmap.mmap(fd, slot_bytes * SLOTS)
+            os.ftruncate(memory_fd, slot_bytes * SLOTS)
+            self._memory = mmap.mmap(memory_fd, slot_bytes * SLOTS)
             request_read, self._request_write = os.pipe()
             self._reply_read, reply_write = os.pipe()
             self._process = subprocess.Popen(
@@ -250,12 +253,13 @@ class _Worker:
                     str(WORKER),
                     str(request_read),
                     str(reply_write),
-                    shm_path,
+                    str(memory_fd),
                     str(slot_bytes),
                     str(SLOTS),
                 ],
-                pass_fds=(request_read, reply_write),
+                pass_fds=(request_read, reply_write, memory_fd),
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
             os.close(request_read)
             os.close(reply_write)
@@ -263,8 +267,7 @@ class _Worker:
             self._replies: IO[str] = os.fdopen(self._reply_read, "r")
             self._receive()  # "ready": the worker has mapped the slots
         finally:
-            os.close(fd)
-            os.unlink(shm_path)  # both mappings stay valid; nothing is left in /dev/shm
+            os.close(memory_fd)  # both mappings stay valid
         self.slots = [
             np.frombuffer(self._memory, np.uint8, slot_bytes, index * slot_bytes) for index in range(SLOTS)
         ]
@@ -343,3 +346,13 @@ class _Worker:
         if not reply.get("ok"):
             raise BackendIOError(5, f"adios2: {reply.get('error', 'unknown error')}")
         return reply
+
+
+def _anonymous_memory_file(name: str) -> int:
+    """A file descriptor of shared memory that has no name anywhere, so it cannot outlive the
+    processes that map it: ``memfd_create`` on Linux, elsewhere a temporary file unlinked at once."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name)
+    fd, path = tempfile.mkstemp(prefix=f"{name}-")
+    os.unlink(path)
+    return fd

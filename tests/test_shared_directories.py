@@ -6,6 +6,7 @@ The kills are real: ``tests/crash_holder.py`` runs a store in a child process an
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -25,6 +26,7 @@ from tierstore import TierStore
 
 TESTS = Path(__file__).parent
 PRIVATE = re.compile(r"\.(spares|scratch|writing)-[0-9a-f]{16}")
+SHARED_MEMORY = Path("/dev/shm")
 
 
 def private_directories(root: Path) -> set[str]:
@@ -218,7 +220,8 @@ def test_a_killed_store_leaves_nothing_behind_and_a_live_one_keeps_its_files(
             return bool(writing - live_private[adios2]) and bool(recycled)
 
         wait_for(killed_store_is_mid_put, "the killed store's ADIOS2 write")
-        kill_and_collect_stderr(child)
+        stderr = kill_and_collect_stderr(child)
+        assert "Traceback" not in stderr, stderr  # the orphaned ADIOS2 worker went quietly
         abandoned = {root: private_directories(root) - live_private[root] for root in roots}
         expected_kinds = {"scratch"} if not persistent else {"spares", "writing"}
         left_kinds = {name[1:].split("-")[0] for names in abandoned.values() for name in names}
@@ -237,3 +240,45 @@ def test_a_killed_store_leaves_nothing_behind_and_a_live_one_keeps_its_files(
         assert all(not name.startswith(".") for names in left.values() for name in names), left
     else:
         assert left == {"nvme": [], "zarr": [], "adios2": []}
+
+
+def child_processes(pid: int) -> set[int]:
+    """Processes started by any thread of ``pid`` (the ADIOS2 worker comes from a dispatch thread)."""
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children.update(int(child) for child in (task / "children").read_text().split())
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return children
+
+
+def has_ended(pid: int) -> bool:
+    """Exited: gone, or a zombie its new parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def shared_memory_slots() -> set[str]:
+    return {path.name for path in SHARED_MEMORY.glob("tierstore-adios2-*")}
+
+
+@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task").is_dir(), reason="needs Linux /proc")
+def test_a_kill_during_adios2_worker_start_up_leaves_no_shared_memory_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    """The store's process dies while its ADIOS2 worker is still starting: nothing is left in
+    /dev/shm, and the orphaned worker exits without printing into the terminal."""
+    before = shared_memory_slots()
+    child = start_child({"tiers": [{"name": "a", "backend": f"adios2://{tmp_path}"}]}, "start")
+    (worker,) = wait_for(lambda: child_processes(child.pid), "the ADIOS2 worker to start")
+    stderr = kill_and_collect_stderr(child)  # returns once the worker, which shares it, has exited
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    wait_for(lambda: has_ended(worker), "the orphaned worker to exit", 10)
+    time.sleep(1)  # other processes' slots live well under a second; a leaked one stays
+    assert not (shared_memory_slots() - before)
+    with TierStore.from_config({"tiers": [{"name": "a", "backend": f"adios2://{tmp_path}"}]}) as store:
+        store["x"] = torch.ones(10)
+    assert list(tmp_path.iterdir()) == []
