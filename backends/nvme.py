@@ -121,9 +121,14 @@ class NvmeBackend(Backend):
         """Remove spares and scratch objects of backends that ended without closing (a crash)."""
         for kind in ("spares", "scratch"):
             remove_abandoned(self.root, kind)
-        for entry in os.scandir(self.root):
-            if LEGACY_SPARE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                Path(entry.path).unlink(missing_ok=True)
+        with os.scandir(self.root) as entries:
+            legacy = [
+                entry.path
+                for entry in entries
+                if LEGACY_SPARE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)
+            ]
+        for path in legacy:
+            Path(path).unlink(missing_ok=True)
 
     @property
     def capabilities(self) -> Capabilities:

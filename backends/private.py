@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -29,6 +30,7 @@ import shutil
 from pathlib import Path
 
 ID_HEX_DIGITS = 16
+_log = logging.getLogger("tierstore")
 
 
 class PrivateDirectory:
@@ -51,24 +53,26 @@ class PrivateDirectory:
         os.close(self._fd)
 
 
-def remove_abandoned(root: Path, kind: str) -> list[Path]:
-    """Delete the ``kind`` private directories under ``root`` whose owners have ended; return them."""
+def remove_abandoned(root: Path, kind: str) -> None:
+    """Delete the ``kind`` private directories under ``root`` whose owners have ended."""
     pattern = re.compile(rf"\.{re.escape(kind)}-[0-9a-f]{{{ID_HEX_DIGITS}}}")
-    removed = []
-    for entry in os.scandir(root):
-        if not pattern.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
-            continue
+    with os.scandir(root) as entries:
+        candidates = [
+            Path(entry.path)
+            for entry in entries
+            if pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
+        ]
+    for path in candidates:
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:  # another opener removed it meanwhile
             continue
         try:
-            if _lock(fd) and _still_at(fd, Path(entry.path)):
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
+            if _lock(fd) and _still_at(fd, path):
+                shutil.rmtree(path, ignore_errors=True)
+                _log.info("removed %s, left by a backend that ended without closing", path)
         finally:
             os.close(fd)
-    return removed
 
 
 def _lock(fd: int) -> bool | None:
