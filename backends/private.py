@@ -4,10 +4,16 @@ Several stores, in one process or many, may use the same backend directory. What
 instance creates for itself alone (recycled files, objects being written, a scratch store's
 objects) goes into ``<root>/.<kind>-<id>``, so two instances never touch each other's files.
 
-An instance marks its directory as live with an exclusive ``flock`` on the directory itself, held
+An instance marks its directory as live with an exclusive ``flock`` on ``.lock`` inside it, held
 until :meth:`PrivateDirectory.remove` or until the process ends, however it ends: the kernel drops
-the lock of a process killed with ``kill -9``. The next backend opened on the root removes every
-private directory whose lock it can take (:func:`remove_abandoned`), and never one that is held.
+the lock of a process killed with ``kill -9``. The directory gets its name only once its lock is
+held (it is made as ``.<kind>-<id>.new`` and renamed), so a named directory always has a lock,
+held by a live owner or free because the owner has ended (a process killed between the two steps
+leaves an empty ``.new`` directory). The next backend opened on the root removes every private
+directory whose lock it can take (:func:`remove_abandoned`), and never one that is held. A regular
+file, not the directory, carries the lock: NFS implements ``flock`` with POSIX locks, which need a
+file open for writing.
+
 A lock, not a pid file: a pid can be reused by an unrelated process after a crash (the garbage
 would then never be collected) and means nothing across pid namespaces (containers) or hosts
 sharing a file system, where a live owner's pid could look dead and its files be deleted. A
@@ -30,6 +36,7 @@ import shutil
 from pathlib import Path
 
 ID_HEX_DIGITS = 16
+LOCK = ".lock"
 _log = logging.getLogger("tierstore")
 
 
@@ -37,15 +44,12 @@ class PrivateDirectory:
     """``<root>/.<kind>-<id>``: created owner-only and locked while this instance is open."""
 
     def __init__(self, root: Path, kind: str) -> None:
-        while True:  # a new id if an opener took the lock between our mkdir and our flock
-            path = root / f".{kind}-{secrets.token_hex(ID_HEX_DIGITS // 2)}"
-            os.mkdir(path, 0o700)
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            if _lock(fd) is not False and _still_at(fd, path):
-                break
-            os.close(fd)
-        self.path = path
-        self._fd = fd
+        self.path = root / f".{kind}-{secrets.token_hex(ID_HEX_DIGITS // 2)}"
+        staging = self.path.with_name(self.path.name + ".new")
+        os.mkdir(staging, 0o700)
+        self._fd = os.open(staging / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _lock(self._fd)  # nobody else knows the directory yet: taken, or no flock here
+        os.rename(staging, self.path)
 
     def remove(self) -> None:
         """Delete the directory and everything in it, then drop the lock."""
@@ -64,11 +68,11 @@ def remove_abandoned(root: Path, kind: str) -> None:
         ]
     for path in candidates:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(path / LOCK, os.O_RDWR)
         except FileNotFoundError:  # another opener removed it meanwhile
             continue
         try:
-            if _lock(fd) and _still_at(fd, path):
+            if _lock(fd) and _still_at(fd, path / LOCK):
                 shutil.rmtree(path, ignore_errors=True)
                 _log.info("removed %s, left by a backend that ended without closing", path)
         finally:
@@ -90,7 +94,7 @@ def _lock(fd: int) -> bool | None:
 
 
 def _still_at(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the directory open as ``fd`` (not removed by a collector)."""
+    """Whether ``path`` still names the file open as ``fd`` (not removed by another collector)."""
     try:
         named = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
