@@ -4,13 +4,14 @@ See :mod:`tierstore.backends.base` for the contract and :mod:`tierstore.backends
 how backends are found. Backend modules are imported lazily, on first use.
 """
 
-from .base import Backend, BackendOptions, Capabilities
+from .base import Backend, BackendOptions, Capabilities, Location
 from .registry import available_backends, backend_class, open_backend, register_backend
 
 __all__ = [
     "Backend",
     "BackendOptions",
     "Capabilities",
+    "Location",
     "available_backends",
     "backend_class",
     "open_backend",

@@ -8,8 +8,11 @@ second.
 
 Protocol: one JSON object per line on the request pipe, one reply per request on the reply pipe
 (``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``). Bulk data never crosses the pipes:
-it moves through ``slots`` shared-memory slots of ``slot_bytes`` in the file ``shm_path``.
-Usage: ``python _adios2_worker.py REQUEST_FD REPLY_FD SHM_PATH SLOT_BYTES SLOTS``.
+it moves through ``slots`` shared-memory slots of ``slot_bytes`` in the memory file open as
+``MEMORY_FD``. When the store's process is gone (the request pipe ends, or a reply finds nobody
+to read it) the worker exits quietly: a traceback would land in the terminal of a process that
+no longer exists to explain it.
+Usage: ``python _adios2_worker.py REQUEST_FD REPLY_FD MEMORY_FD SLOT_BYTES SLOTS``.
 """
 
 from __future__ import annotations
@@ -117,33 +120,38 @@ class Server:
 
 
 def main(argv: list[str]) -> int:
-    request_fd, reply_fd, shm_path, slot_bytes, slot_count = argv[1:]
-    size = int(slot_bytes) * int(slot_count)
-    with open(shm_path, "r+b") as file:
-        memory = mmap.mmap(file.fileno(), size)
-    slots = [
-        np.frombuffer(memory, np.uint8, int(slot_bytes), i * int(slot_bytes)) for i in range(int(slot_count))
-    ]
+    request_fd, reply_fd, memory_fd, slot_bytes, slot_count = (int(arg) for arg in argv[1:])
+    memory = mmap.mmap(memory_fd, slot_bytes * slot_count)
+    os.close(memory_fd)
+    slots = [np.frombuffer(memory, np.uint8, slot_bytes, i * slot_bytes) for i in range(slot_count)]
     server = Server(slots)
-    with os.fdopen(int(request_fd), "r") as requests, os.fdopen(int(reply_fd), "w") as replies:
-        replies.write(json.dumps({"ok": True, "ready": True}) + "\n")
-        replies.flush()
-        for line in requests:
-            message = json.loads(line)
-            operation = message.pop("op")
-            if operation == "quit":
-                break
-            try:
-                if operation not in OPERATIONS:
-                    raise ValueError(f"unknown operation {operation!r}")
-                reply = getattr(server, operation)(**message)
-                reply["ok"] = True
-            except Exception as error:
-                text = ANSI_ESCAPE.sub("", str(error))  # ADIOS2 colours its messages
-                reply = {"ok": False, "error": f"{type(error).__name__}: {text}"}
-            replies.write(json.dumps(reply) + "\n")
-            replies.flush()
+    try:
+        _reply(reply_fd, {"ok": True, "ready": True})
+        with os.fdopen(request_fd, "r") as requests:
+            for line in requests:  # ends when the store's process closes the pipe or dies
+                message = json.loads(line)
+                operation = message.pop("op")
+                if operation == "quit":
+                    break
+                try:
+                    if operation not in OPERATIONS:
+                        raise ValueError(f"unknown operation {operation!r}")
+                    reply = getattr(server, operation)(**message)
+                    reply["ok"] = True
+                except Exception as error:
+                    text = ANSI_ESCAPE.sub("", str(error))  # ADIOS2 colours its messages
+                    reply = {"ok": False, "error": f"{type(error).__name__}: {text}"}
+                _reply(reply_fd, reply)
+    except BrokenPipeError:  # the store's process died: nobody is left to answer
+        pass
     return 0
+
+
+def _reply(reply_fd: int, reply: dict[str, Any]) -> None:
+    """Unbuffered, so a dead reader fails this call once and nothing is left to flush at exit."""
+    data = (json.dumps(reply) + "\n").encode()
+    while data:
+        data = data[os.write(reply_fd, data) :]
 
 
 if __name__ == "__main__":

@@ -2,15 +2,22 @@
 
 **Layout.** ``<path>/<name>.bp`` is a BP5 directory holding one global 1-D ``uint8`` variable,
 ``data``, written in one step. Any ADIOS2 reader (``bpls``, ``adios2.FileReader``) can open it.
-A write goes to ``<path>/.<name>.bp.tmp-*`` and is renamed into place when complete, so a reader
-never sees a half-written object. One file per object, rather than one append-only file for all
-objects, means an overwrite or delete frees space at once, with no compaction. The
-``profiling.json`` ADIOS2 drops into every ``.bp`` directory is removed.
+A write goes to ``<path>/.writing-<id>/<name>.bp``, a directory private to this backend instance,
+and is renamed into place when complete, so a reader never sees a half-written object. After a
+crash the next backend opened on the directory removes it (:mod:`tierstore.backends.private`),
+as it does a scratch store's ``.scratch-<id>/`` (:meth:`~Adios2Backend.claim_scratch`). One file
+per object, rather than one append-only file for all objects, means an overwrite or delete frees
+space at once, with no compaction. The ``profiling.json`` ADIOS2 drops into every ``.bp``
+directory is removed.
 
 **Worker process.** ADIOS2's bindings hold the GIL during put/get, which would stall every other
 thread of the store; so ADIOS2 runs in a child process (``_adios2_worker.py``) and data moves
 through two shared-memory slots of ``transfer_bytes`` (one filled while the other is written).
-The cost is one memcpy per direction. Requests to one backend are served one at a time.
+The cost is one memcpy per direction. Requests to one backend are served one at a time. The slots
+are an anonymous memory file (``memfd_create``) handed to the worker as a file descriptor, so a
+crash at any moment leaves nothing in ``/dev/shm``; the worker runs in a session of its own (a
+Ctrl-C in the terminal reaches the store's process, not the worker) and exits quietly once the
+store's process is gone.
 
 Only whole objects are written (``partial_writes`` is False): ADIOS2 files are append-only.
 Writes default to ``StatsLevel=0`` (no min/max per block) and a large ``BufferChunkSize``, which
@@ -27,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +44,8 @@ import numpy as np
 from pydantic import ByteSize, Field
 
 from ..errors import BackendIOError, KeyNotFoundError
-from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
+from .private import PrivateDirectory, remove_abandoned
 
 SLOTS = 2
 SlotCallback = Callable[[np.ndarray, int, int], None]
@@ -69,6 +76,11 @@ class Adios2Backend(Backend):
         super().__init__(options)
         assert isinstance(options, Adios2Options)
         self.root = prepare_root(options.path, self.scheme)
+        self._location = Location.of_directory(self.root)
+        for kind in ("writing", "scratch"):  # left by backends that ended without closing
+            remove_abandoned(self.root, kind)
+        self._writing: PrivateDirectory | None = None  # made by the first write
+        self._scratch: PrivateDirectory | None = None
         self._worker: _Worker | None = None
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -85,13 +97,26 @@ class Adios2Backend(Backend):
             direct_io=False,
         )
 
+    def location(self) -> Location:
+        return self._location
+
+    def claim_scratch(self) -> None:
+        """Objects written from now on go to a private ``.scratch-<id>/`` directory."""
+        self._check_open()
+        if self._scratch is None:
+            self._scratch = PrivateDirectory(self.root, "scratch")
+            self.root = self._scratch.path
+
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
         return self._dispatch.submit(self._write_now, name, data)
 
     def _write_now(self, name: str, data: memoryview) -> None:
+        """Runs on the dispatch thread, one write at a time."""
         final = self._path(name)
-        temporary = self.root / f".{name}.bp.tmp-{uuid.uuid4().hex[:8]}"
+        if self._writing is None:
+            self._writing = PrivateDirectory(self.root, "writing")
+        temporary = self._writing.path / final.name
         worker = self._ensure_worker()
         try:
             worker.call(
@@ -189,6 +214,9 @@ class Adios2Backend(Backend):
         self._dispatch.shutdown(wait=True)
         if self._worker is not None:
             self._worker.stop()
+        for private in (self._writing, self._scratch):
+            if private is not None:
+                private.remove()
 
     def _path(self, name: str) -> Path:
         return self.root / f"{name}.bp"
@@ -211,11 +239,10 @@ class _Worker:
 
     def __init__(self, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, shm_path = tempfile.mkstemp(prefix="tierstore-adios2-", dir=shm_dir)
+        memory_fd = _anonymous_memory_file("tierstore-adios2")
         try:
-            os.ftruncate(fd, slot_bytes * SLOTS)
-            self._memory = mmap.mmap(fd, slot_bytes * SLOTS)
+            os.ftruncate(memory_fd, slot_bytes * SLOTS)
+            self._memory = mmap.mmap(memory_fd, slot_bytes * SLOTS)
             request_read, self._request_write = os.pipe()
             self._reply_read, reply_write = os.pipe()
             self._process = subprocess.Popen(
@@ -226,12 +253,13 @@ class _Worker:
                     str(WORKER),
                     str(request_read),
                     str(reply_write),
-                    shm_path,
+                    str(memory_fd),
                     str(slot_bytes),
                     str(SLOTS),
                 ],
-                pass_fds=(request_read, reply_write),
+                pass_fds=(request_read, reply_write, memory_fd),
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
             os.close(request_read)
             os.close(reply_write)
@@ -239,8 +267,7 @@ class _Worker:
             self._replies: IO[str] = os.fdopen(self._reply_read, "r")
             self._receive()  # "ready": the worker has mapped the slots
         finally:
-            os.close(fd)
-            os.unlink(shm_path)  # both mappings stay valid; nothing is left in /dev/shm
+            os.close(memory_fd)  # both mappings stay valid
         self.slots = [
             np.frombuffer(self._memory, np.uint8, slot_bytes, index * slot_bytes) for index in range(SLOTS)
         ]
@@ -319,3 +346,13 @@ class _Worker:
         if not reply.get("ok"):
             raise BackendIOError(5, f"adios2: {reply.get('error', 'unknown error')}")
         return reply
+
+
+def _anonymous_memory_file(name: str) -> int:
+    """A file descriptor of shared memory that has no name anywhere, so it cannot outlive the
+    processes that map it: ``memfd_create`` on Linux, elsewhere a temporary file unlinked at once."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name)
+    fd, path = tempfile.mkstemp(prefix=f"{name}-")
+    os.unlink(path)
+    return fd

@@ -13,6 +13,11 @@ and moves byte ranges between them and caller buffers. Its life cycle:
 3. **close**: :meth:`~Backend.close` waits for I/O in flight and releases resources; every call
    afterwards raises :class:`~tierstore.errors.StoreClosedError`.
 
+Two backends of one store must not share a medium (their object names would clash): each reports
+where its objects live (:meth:`~Backend.location`) and the store refuses equal ones. A scratch
+store asks its backends to keep its objects apart (:meth:`~Backend.claim_scratch`), so that they
+are removed even if the process dies before deleting them.
+
 Object semantics are those of a file: ``write`` creates the object if needed and grows it to
 ``max(size, offset + len(data))`` (a backend without ``partial_writes`` takes only whole-object
 writes at offset 0, which replace the object); ``read_into`` fills the whole buffer or raises
@@ -27,10 +32,11 @@ from __future__ import annotations
 import builtins
 import os
 import re
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Any, ClassVar, Self
@@ -78,6 +84,21 @@ class Capabilities:
     """Transfers bypass the operating system's page cache."""
 
 
+@dataclass(frozen=True)
+class Location:
+    """Where a backend keeps its objects: two backends with equal locations would read and write
+    the same objects. ``identity`` decides equality; ``shown`` is for messages."""
+
+    identity: tuple[str | int, ...]
+    shown: str = field(compare=False)
+
+    @classmethod
+    def of_directory(cls, root: Path) -> Location:
+        """A directory by device and inode, so aliases (``/d/./``, symlinks, bind mounts) match."""
+        status = os.stat(root)
+        return cls(("directory", status.st_dev, status.st_ino), str(root.resolve()))
+
+
 def _page_multiple(value: ByteSize) -> ByteSize:
     if value < ALIGNMENT or value % ALIGNMENT:
         raise ValueError(f"must be a positive multiple of {ALIGNMENT}")
@@ -93,11 +114,12 @@ def prepare_root(root: Path, scheme: str) -> Path:
 
     Raises :class:`~tierstore.errors.UnwritablePathError` naming the path otherwise."""
     root = root.expanduser().absolute()
-    probe = root / f".tierstore-probe-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        probe.write_bytes(b"")
-        probe.unlink()
+        # A unique name: backends opened at once on one root must not remove each other's probe.
+        fd, probe = tempfile.mkstemp(prefix=".tierstore-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as error:
         raise UnwritablePathError(
             error.errno, f"{scheme}: cannot write to {root}: {error.strerror}"
@@ -208,6 +230,22 @@ class Backend(ABC):
         self._check_open()
         return sorted(self._list())
 
+    # -- sharing a medium -------------------------------------------------------------------------
+    def location(self) -> Location | None:
+        """Where this backend's objects live; None if they are private to this instance (memory).
+
+        Persistent backends override this: a store refuses two paths with the same location."""
+        return None
+
+    def claim_scratch(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Keep the objects written from now on apart from everyone else's, for a scratch store.
+
+        A backend on a shared medium puts them in a directory private to this instance, removed
+        at :meth:`close` or, if the process dies first, by the next backend opened on the same
+        medium (:mod:`tierstore.backends.private`). Memory backends need nothing: their objects
+        end with the process. Call it before writing the first object.
+        """
+
     # -- life cycle -------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
@@ -313,6 +351,12 @@ class WrapperBackend(Backend):
 
     def _list(self) -> builtins.list[str]:
         return self.inner.list()
+
+    def location(self) -> Location | None:
+        return self.inner.location()
+
+    def claim_scratch(self) -> None:
+        self.inner.claim_scratch()
 
     def _close(self) -> None:
         self.inner.close()

@@ -5,14 +5,20 @@ no padding (the file size *is* the object size), so any tool can read an object 
 needs aligned offsets and lengths, so a write whose end is not block-aligned writes its last
 block padded (after reading back the block's existing bytes if the object extends past it) and
 then truncates the file to the true size. Files and the directory are created owner-only.
-Dot-files (``.tierstore-probe-*``, ``.spare-*``) are never objects.
+Dot-entries (``.tierstore-probe-*``, ``.spares-*``, ``.scratch-*``) are never objects.
 
 **Recycling.** With O_DIRECT, a deleted file is renamed aside (up to ``recycle`` of them) instead
 of unlinked, and the next new object of exactly its size is written into it. A store writes every
 version of an object under a new name and deletes the old one, so an optimizer that rewrites its
 state each step would otherwise make ext4 allocate fresh blocks, and convert them from unwritten
-to written, on every write; overwriting blocks already written skips both. Spares are unlinked at
-``close()``.
+to written, on every write; overwriting blocks already written skips both. Spares live in
+``<path>/.spares-<id>/``, private to this backend instance (another store on the same directory
+has its own), and are removed at ``close()``; after a crash, by the next backend opened on the
+directory (:mod:`tierstore.backends.private`), which also removes the ``.spare-N`` files that
+earlier versions kept in the directory itself.
+
+**Scratch stores** (:meth:`~NvmeBackend.claim_scratch`) keep their objects in
+``<path>/.scratch-<id>/``, removed the same way.
 
 **I/O engine.** A thread pool of ``queue_depth`` workers issues ``os.preadv``/``os.pwritev``
 (which release the GIL) in ``chunk_bytes`` pieces; O_DIRECT needs several requests in flight to
@@ -30,6 +36,8 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import re
+import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -43,9 +51,13 @@ from pydantic import ByteSize, Field
 from .._futures import when_all
 from ..buffers import ALIGNMENT, AlignedBuffer, buffer_address, round_up
 from ..errors import BackendIOError, ConfigError, KeyNotFoundError, UnwritablePathError
-from .base import Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
+from .base import Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
+from .private import PrivateDirectory, remove_abandoned
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+LEGACY_SPARE = re.compile(r"\.spare-[0-9]+")
+"""Spares as earlier versions named them, in the directory itself; harmless to remove even while
+such a version runs (it writes a fresh file when its spare has vanished)."""
 
 
 class NvmeOptions(BackendOptions):
@@ -76,6 +88,8 @@ class NvmeBackend(Backend):
         super().__init__(options)
         assert isinstance(options, NvmeOptions)
         self.root = prepare_root(options.path, self.scheme)
+        self._location = Location.of_directory(self.root)
+        self._collect_abandoned()
         self._chunk = int(options.chunk_bytes)
         try:
             self.direct = self._probe_direct(options.direct)
@@ -90,6 +104,31 @@ class NvmeBackend(Backend):
         self._spares: dict[int, list[Path]] = {}  # size -> files renamed aside by delete
         self._spare_names = itertools.count()
         self._spare_lock = threading.Lock()
+        self._spare_directory: PrivateDirectory | None = None  # made with the first spare
+        self._scratch: PrivateDirectory | None = None
+
+    def location(self) -> Location:
+        return self._location
+
+    def claim_scratch(self) -> None:
+        """Objects written from now on go to a private ``.scratch-<id>/`` directory."""
+        self._check_open()
+        if self._scratch is None:
+            self._scratch = PrivateDirectory(self.root, "scratch")
+            self.root = self._scratch.path
+
+    def _collect_abandoned(self) -> None:
+        """Remove spares and scratch objects of backends that ended without closing (a crash)."""
+        for kind in ("spares", "scratch"):
+            remove_abandoned(self.root, kind)
+        with os.scandir(self.root) as entries:
+            legacy = [
+                entry.path
+                for entry in entries
+                if LEGACY_SPARE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)
+            ]
+        for path in legacy:
+            Path(path).unlink(missing_ok=True)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -103,8 +142,9 @@ class NvmeBackend(Backend):
 
     def _probe_direct(self, wanted: bool | None) -> bool:
         """Open, write and read back one block with O_DIRECT; decide whether to use it."""
-        probe = self.root / f".tierstore-probe-{os.getpid()}-{threading.get_ident()}"
-        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+        fd, name = tempfile.mkstemp(prefix=".tierstore-probe-", dir=self.root)  # unique per opener
+        os.close(fd)
+        probe = Path(name)
         try:
             if wanted is False:
                 return False
@@ -281,7 +321,9 @@ class NvmeBackend(Backend):
                 size = os.stat(path).st_size
                 with self._spare_lock:
                     if sum(map(len, self._spares.values())) < self.options.recycle:
-                        spare = self.root / f".spare-{next(self._spare_names)}"
+                        if self._spare_directory is None:
+                            self._spare_directory = PrivateDirectory(self.root, "spares")
+                        spare = self._spare_directory.path / str(next(self._spare_names))
                         os.rename(path, spare)
                         self._spares.setdefault(size, []).append(spare)
                         return
@@ -304,9 +346,11 @@ class NvmeBackend(Backend):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
         with self._spare_lock:
-            for spare in itertools.chain.from_iterable(self._spares.values()):
-                spare.unlink(missing_ok=True)
             self._spares.clear()
+            if self._spare_directory is not None:
+                self._spare_directory.remove()
+        if self._scratch is not None:
+            self._scratch.remove()
         with self._bounce_lock:
             for buffer in self._bounce:
                 buffer.free()

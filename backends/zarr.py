@@ -18,11 +18,16 @@ Other stores, or arrays written compressed by someone else, go through zarr
 (``array[a:b] = ...``, ``get_basic_selection(out=...)``).
 
 A path uses zarr's ``LocalStore``; any other URL uses ``FsspecStore`` with ``storage_options``.
+On a path, a scratch store's objects go to ``<path>/.scratch-<id>/`` (:meth:`~ZarrBackend.claim_scratch`),
+removed at close or, after a crash, by the next backend opened on the path
+(:mod:`tierstore.backends.private`); other URLs cannot mark a live owner, so there they stay among
+the rest.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import threading
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +44,8 @@ from zarr.storage import FsspecStore, LocalStore
 
 from .._futures import when_all
 from ..errors import BackendIOError, ConfigError, KeyNotFoundError
-from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, PageMultiple, prepare_root
+from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
+from .private import PrivateDirectory, remove_abandoned
 
 LOCAL_PROTOCOLS = (None, "file", "local")
 
@@ -71,12 +77,18 @@ class ZarrBackend(Backend):
         self.local_root: Path | None = None
         if protocol in LOCAL_PROTOCOLS:
             self.local_root = prepare_root(Path(path), "zarr")
+            self._location = Location.of_directory(self.local_root)
+            remove_abandoned(self.local_root, "scratch")  # left by scratch stores that crashed
             self.store: LocalStore | FsspecStore = LocalStore(self.local_root)
         else:
             try:
                 self.store = FsspecStore.from_url(options.url, storage_options=options.storage_options)
             except (ValueError, ImportError) as error:  # unknown protocol, or its package missing
                 raise ConfigError(f"zarr: cannot open url {options.url!r}: {error}") from None
+            # Storage options (credentials, endpoints) are not compared: only the normalised URL.
+            url = self.store.fs.unstrip_protocol(posixpath.normpath(self.store.path))
+            self._location = Location(("url", url), url)
+        self._scratch: PrivateDirectory | None = None
         self._persistent = protocol != "memory"
         self._chunk = int(options.chunk_bytes)
         self._arrays: dict[str, zarr.Array[Any]] = {}
@@ -87,6 +99,19 @@ class ZarrBackend(Backend):
     def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
         protocol = scheme.partition("+")[2] or "file"
         return {"url": f"{protocol}://{location}", **query}
+
+    def location(self) -> Location:
+        return self._location
+
+    def claim_scratch(self) -> None:
+        """On a path, objects written from now on go to a private ``.scratch-<id>/`` directory."""
+        self._check_open()
+        if self.local_root is not None and self._scratch is None:
+            self._scratch = PrivateDirectory(self.local_root, "scratch")
+            self.local_root = self._scratch.path
+            self._arrays.clear()
+            self.store.close()
+            self.store = LocalStore(self.local_root)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -223,6 +248,8 @@ class ZarrBackend(Backend):
         self._pool.shutdown(wait=True)
         self._arrays.clear()
         self.store.close()
+        if self._scratch is not None:
+            self._scratch.remove()
 
 
 def _read_chunk_file(path: Path, at: int, out: memoryview) -> None:

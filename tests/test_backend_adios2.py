@@ -1,3 +1,4 @@
+import os
 import threading
 import time
 from pathlib import Path
@@ -91,3 +92,15 @@ def test_worker_restarts_after_dying(tmp_path: Path) -> None:
         out = bytearray(5)
         backend.read_into("a", 0, out).result()
         assert out == b"alpha"
+
+
+def test_the_worker_has_a_session_of_its_own(tmp_path: Path) -> None:
+    """A Ctrl-C in the terminal signals the foreground process group: the store's process, which
+    stops its worker itself, and not the worker (whose KeyboardInterrupt traceback would land in
+    the terminal)."""
+    with open_backend({"type": "adios2", "path": tmp_path}) as backend:
+        assert isinstance(backend, Adios2Backend)
+        backend.write("a", 0, b"alpha").result()
+        assert backend._worker is not None
+        worker = backend._worker._process.pid
+        assert os.getsid(worker) == worker != os.getsid(0)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
-from tierstore.memory import MemoryLedger
 from tierstore.optimizer import OffloadedAdamW
 
 from tierstore import CapacityError, ConfigError, Tier, TierStore
+from tierstore.memory import MemoryLedger
 
 MIB = 1 << 20
 

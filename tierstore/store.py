@@ -65,7 +65,7 @@ from .limits import Priority
 from .manifest import Manifest
 from .memory import MemoryLedger
 from .model import PathSpeed
-from .tier import Placement, Tier
+from .tier import Placement, Tier, check_distinct_locations
 
 MAX_KEY_LENGTH = 1024
 _log = logging.getLogger("tierstore")
@@ -135,6 +135,7 @@ class TierStore:
         self.tiers = [
             tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
+        check_distinct_locations(self.tiers)
         for tier in self.tiers:
             tier.checksums = verify != "off"
         self.verify = verify
@@ -151,6 +152,9 @@ class TierStore:
         self._peak_cache_bytes = 0
         self._closed = False
         self._manifest = None if manifest is None else Manifest(manifest)
+        if self._manifest is None:  # a crash must not leave a scratch store's objects behind
+            for tier in self.tiers:
+                tier.claim_scratch()
         # Tier objects of concurrent stores in one directory never clash; a persistent store's
         # prefix is journaled first, so an interrupted write's object is recognised as garbage.
         token = secrets.token_hex(4) if self._manifest is None else self._manifest.token

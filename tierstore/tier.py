@@ -29,7 +29,7 @@ import xxhash
 
 from . import placement as planner
 from ._futures import when_all
-from .backends import Backend, open_backend
+from .backends import Backend, Location, open_backend
 from .bandwidth import Bandwidth, ProbeCache, ThroughputMeter, probe
 from .config import PathConfig, TierConfig
 from .errors import BackendIOError, ChecksumError, ConfigError, KeyNotFoundError, MissingDataError
@@ -196,6 +196,7 @@ class Tier:
             path if isinstance(path, TierPath) else TierPath(f"{name}.{index}", path)
             for index, path in enumerate(paths)
         ]
+        check_distinct_locations([self])
         self.placement = placement
         self.stripe_by = stripe_by
         self.capacity = capacity
@@ -217,13 +218,13 @@ class Tier:
             for index, path in enumerate(config.path_configs()):
                 at = f"{where}.paths.{index}" if config.paths is not None else where
                 paths.append(_open_path(config, path, index, at, probes or ProbeCache()))
+            return cls(
+                config.name, paths, config.capacity, placement=config.placement, stripe_by=config.stripe_by
+            )
         except BaseException:
             for opened in paths:
                 opened.close()
             raise
-        return cls(
-            config.name, paths, config.capacity, placement=config.placement, stripe_by=config.stripe_by
-        )
 
     @property
     def backend(self) -> Backend:
@@ -351,6 +352,12 @@ class Tier:
         future.add_done_callback(count)
         return future
 
+    def claim_scratch(self) -> None:
+        """For a scratch store: each path keeps this store's objects apart and removes them even
+        if the process dies (:meth:`Backend.claim_scratch`)."""
+        for path in self.paths:
+            path.backend.claim_scratch()
+
     def discard(self, placement: Placement) -> None:
         """Delete an object version from every path and give its capacity back."""
         self._delete_extents(placement.name, placement.extents)
@@ -397,6 +404,26 @@ class Tier:
 
     def __repr__(self) -> str:
         return f"Tier({self.name!r}, paths={[p.name for p in self.paths]}, placement={self.placement!r})"
+
+
+def check_distinct_locations(tiers: Sequence[Tier]) -> None:
+    """Refuse two paths on one medium (the same directory under two spellings, a symlink, a bind
+    mount, the same URL): both would write an object's extents under the same name, and one
+    extent would overwrite the other."""
+    seen: dict[Location, tuple[Tier, TierPath]] = {}
+    for tier in tiers:
+        for path in tier.paths:
+            location = path.backend.location()
+            if location is None:
+                continue
+            if location in seen:
+                first_tier, first = seen[location]
+                raise ConfigError(
+                    f"tier {first_tier.name!r} path {first.name!r} and tier {tier.name!r} path "
+                    f"{path.name!r} are the same location ({location.shown}); every path of a store "
+                    "needs a medium of its own"
+                )
+            seen[location] = (tier, path)
 
 
 def _open_path(tier: TierConfig, config: PathConfig, index: int, where: str, probes: ProbeCache) -> TierPath:
