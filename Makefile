@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ demo: $(VENV)/.runtime
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest
+
+# ruff (lint and format) over the tree; strict mypy over the library's packages.
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy tierstore backends optimizer activations integrations
 
 # Benchmarks need fio, and DeepSpeed's baseline libaio-dev (Debian packages); run as root so they
 # can be installed and caches dropped. Never part of `make test`.

@@ -212,7 +212,7 @@ def run_training(
             with offload:
                 loss = model(tokens, targets)
             model.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()
             backward_done = time.perf_counter()
             optimizer.step()
             finished = time.perf_counter()
