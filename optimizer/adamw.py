@@ -233,7 +233,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         group = self.param_groups[sg.group]
         master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
         params, grads, ms, vs, steps = [], [], [], [], []
-        step_tensors: dict[int, torch.Tensor] = {}
         for piece in sg.pieces:
             grad = self.params[piece.param].grad
             if grad is None:
@@ -245,8 +244,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             params.append(master[window])
             ms.append(exp_avg[window])
             vs.append(exp_avg_sq[window])
-            count = self.param_steps[piece.param]
-            steps.append(step_tensors.setdefault(count, torch.tensor(float(count))))
+            steps.append(torch.tensor(float(self.param_steps[piece.param])))  # its own bias correction
         if not params:
             return
         if coefficient != 1.0:
