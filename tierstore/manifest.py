@@ -70,6 +70,18 @@ class Manifest:
             self._append({"op": "put", "key": key, "entry": dict(entry)})
             self.entries[key] = dict(entry)
 
+    def commit_many(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
+        """Durably make each entry the current version of its key, with one sync for all (a pack
+        of small objects): a crash may keep any prefix of them, each one whole."""
+        with self._mutex:
+            for key, entry in entries.items():
+                record = {"op": "put", "key": key, "entry": dict(entry)}
+                self._journal.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self.entries[key] = dict(entry)
+                self._lines += 1
+            self._journal.flush()
+            os.fdatasync(self._journal.fileno())
+
     def remove(self, key: str) -> None:
         with self._mutex:
             self._append({"op": "delete", "key": key})
