@@ -193,3 +193,16 @@ def test_kill_9_during_pack_writes_loses_nothing_flushed(tmp_path: Path) -> None
             assert set(backend_objects(store)) == referenced
         version = started + 1
     assert version > 3
+
+
+def test_packed_objects_read_back_across_the_paths_of_a_striped_tier() -> None:
+    """A pack is striped like any object; an object may straddle two paths' extents."""
+    paths = [open_backend("dram://"), open_backend({"type": "fault", "inner": "dram://"})]
+    with TierStore([Tier("striped", paths)], cache_budget=1 << 20, cache_reads=False) as store:
+        for put in [store.put(f"k{index}", small(index)) for index in range(200)]:
+            put.result()
+        store.flush()
+        assert [len(path.list()) for path in paths] == [1, 1]  # one pack, split in two extents
+        assert len(store.info("k0").extents) == 2
+        for index in range(200):
+            assert torch.equal(store[f"k{index}"], small(index)), index
