@@ -83,7 +83,8 @@ class ObjectInfo:
     tier: str | None
     """Tier holding the committed persistent copy, or None if it lives only in the cache."""
     extents: list[dict[str, Any]]
-    """Where that copy's bytes are: path name, object offset and length of each extent."""
+    """Where that copy's bytes are: path name, object offset and length of each extent (for an
+    object written back in a pack, the pack's extents)."""
     cached: bool
     dirty: bool
     """The cached copy is newer than any persistent copy."""
