@@ -44,6 +44,7 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
 	$(BIN)/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json
 	$(BIN)/python benchmarks/bench_optimizer.py --output benchmarks/results/optimizer.json
+	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
 
 clean:
 	rm -rf $(VENV) *.egg-info tierstore-data bench-data

@@ -46,3 +46,49 @@ def test_pool_rejects_what_can_never_fit() -> None:
         BufferPool(4096).try_acquire(4097)
     with pytest.raises(CapacityError):
         BufferPool(-1)
+
+
+def map_count() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+def test_hundreds_of_thousands_of_small_buffers_share_a_few_maps() -> None:
+    """One map per buffer hit vm.max_map_count (~65k) with a quarter of a 1 GiB budget in use."""
+    pool = BufferPool(1 << 30, pin=False)
+    before = map_count()
+    held = [pool.try_acquire(64 if index % 4 else 4096) for index in range(300_000)]
+    assert all(buffer is not None for buffer in held)
+    assert map_count() - before < 64
+    # 225k slots of 64 bytes fill 3,516 pages; 75k buffers of a page each: exactly what is held
+    assert pool.allocated_bytes == (-(-225_000 // 64) + 75_000) * 4096 <= pool.capacity
+    assert pool.in_use_bytes == 225_000 * 64 + 75_000 * 4096
+
+
+def test_carved_buffers_are_aligned_and_never_overlap() -> None:
+    pool = BufferPool(4 << 20, pin=False)
+    sizes = [1, 64, 65, 2048, 2049, 4096, 4097, 12_288, 100_000, 1 << 20]
+    held = [pool.try_acquire(size) for size in sizes * 2]
+    for index, (size, buffer) in enumerate(zip(sizes * 2, held, strict=True)):
+        assert buffer is not None and buffer.capacity >= size
+        address = buffer.tensor.data_ptr()
+        assert address % (4096 if size > 2048 else 64) == 0
+        assert buffer_address(buffer.memoryview(1)) == address
+        buffer.view(size).fill_(index)
+    for index, (size, buffer) in enumerate(zip(sizes * 2, held, strict=True)):
+        assert buffer is not None and bool((buffer.view(size) == index).all()), size
+
+
+def test_freed_memory_merges_back_for_larger_buffers() -> None:
+    """Idle slots and pages are given back (whole slabs, merged buddies) when another size needs
+    the room; the pool then serves one buffer as large as the whole budget."""
+    pool = BufferPool(1 << 20, pin=False)
+    small = [pool.try_acquire(100) for _ in range(3000)] + [pool.try_acquire(5000) for _ in range(30)]
+    assert all(buffer is not None for buffer in small) and pool.try_acquire(1 << 20) is None
+    for buffer in small:
+        pool.release(buffer)  # type: ignore[arg-type]
+    whole = pool.try_acquire(1 << 20)
+    assert whole is not None and pool.allocated_bytes == 1 << 20
+    pool.release(whole)
+    pool.clear()
+    assert pool.allocated_bytes == 0 and pool.in_use_bytes == 0

@@ -89,6 +89,9 @@ class CacheConfig(ConfigModel):
     write-through: a put resolves once its tier write is done (and stays cached)."""
     cache_reads: bool = True
     """Keep objects read from a tier in the cache (False: read straight into the destination)."""
+    pack_below: ByteSize = Field(ByteSize(64 << 10))
+    """Dirty objects smaller than this are written back (``flush``, ``close``) in packs, one
+    backend object per batch, instead of one object (file) each; 0 turns packing off."""
 
 
 class BandwidthConfig(ConfigModel):

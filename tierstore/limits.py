@@ -135,7 +135,9 @@ class PathScheduler:
         self.meters = meters or {"read": ThroughputMeter(), "write": ThroughputMeter()}
         self.telemetry = PathTelemetry()
         self._in_flight: dict[Direction, int] = {"read": 0, "write": 0}
-        self._queue: list[_Request] = []
+        self._queues: dict[Direction, list[_Request]] = {"read": [], "write": []}
+        """One heap per direction, ordered by (priority, arrival): a direction at its limit (or
+        without a node slot) is skipped as a whole, so picking a request costs O(log n)."""
         self._sequence = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -153,7 +155,7 @@ class PathScheduler:
             request = _Request(
                 int(priority), next(self._sequence), direction, nbytes, start, done, time.monotonic()
             )
-            heapq.heappush(self._queue, request)
+            heapq.heappush(self._queues[direction], request)
             self._cond.notify_all()
         return done
 
@@ -172,7 +174,7 @@ class PathScheduler:
             with self._cond:
                 request, slot, retry = self._next_startable()
                 if request is None:
-                    if self._closed and not self._queue:
+                    if self._closed and not any(self._queues.values()):
                         return
                     self._cond.wait(timeout=retry)
                     continue
@@ -189,10 +191,14 @@ class PathScheduler:
 
     def _next_startable(self) -> tuple[_Request | None, int | None, float | None]:
         """The most urgent request that may start now (under the lock), its node slot, and how
-        long to wait before looking again if none may (None: until notified)."""
+        long to wait before looking again if none may (None: until notified).
+
+        Within a direction every request shares one limit and one node limiter, so only the head
+        of each direction's heap is a candidate."""
         retry: float | None = None
-        most_urgent = self._queue[0].priority if self._queue else None
-        for request in sorted(self._queue):
+        heads = sorted(queue[0] for queue in self._queues.values() if queue)
+        most_urgent = heads[0].priority if heads else None
+        for request in heads:
             if (
                 request.priority == Priority.BACKGROUND
                 and most_urgent is not None
@@ -208,8 +214,7 @@ class PathScheduler:
                 if slot is None:
                     retry = 0.002  # another process holds every slot: poll
                     continue
-            self._queue.remove(request)
-            heapq.heapify(self._queue)
+            heapq.heappop(self._queues[request.direction])
             return request, slot, None
         return None, None, retry
 

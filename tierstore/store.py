@@ -65,13 +65,15 @@ from .limits import Priority
 from .manifest import Manifest
 from .memory import MemoryLedger
 from .model import PathSpeed
-from .tier import Placement, Tier, check_distinct_locations
+from .tier import Placement, Tier, check_distinct_locations, digest
 
 MAX_KEY_LENGTH = 1024
 _log = logging.getLogger("tierstore")
 Policy = Literal["write-back", "write-through"]
 Verify = Literal["always", "sampled", "off"]
 SAMPLE_EVERY = 16
+PACK_BYTES = 4 << 20
+"""Most bytes of small objects written back together as one pack object."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ class ObjectInfo:
     tier: str | None
     """Tier holding the committed persistent copy, or None if it lives only in the cache."""
     extents: list[dict[str, Any]]
-    """Where that copy's bytes are: path name, object offset and length of each extent."""
+    """Where that copy's bytes are: path name, object offset and length of each extent (for an
+    object written back in a pack, the pack's extents)."""
     cached: bool
     dirty: bool
     """The cached copy is newer than any persistent copy."""
@@ -122,6 +125,7 @@ class TierStore:
         manifest: str | os.PathLike[str] | None = None,
         verify: Verify = "always",
         memory_budget: int | None = None,
+        pack_below: int = 64 << 10,
     ) -> None:
         _check_arguments(tiers, cache_budget, policy, workers, verify)
         if memory_budget is not None and (not _is_integer(memory_budget) or memory_budget < cache_budget):
@@ -139,6 +143,8 @@ class TierStore:
         for tier in self.tiers:
             tier.checksums = verify != "off"
         self.verify = verify
+        self.pack_below = pack_below
+        """Dirty objects smaller than this are written back in packs (one backend object each)."""
         self._reads = itertools.count()
         self.policy = policy
         self.cache_reads = cache_reads
@@ -191,6 +197,7 @@ class TierStore:
                 manifest=settings.manifest,
                 verify=settings.verify,
                 memory_budget=settings.memory_budget,
+                pack_below=settings.cache.pack_below,
             )
         except BaseException:
             for opened in tiers:
@@ -258,6 +265,8 @@ class TierStore:
     def flush(self) -> None:
         """Write every dirty cached object to its tier; raises if any write-back failed.
 
+        Objects smaller than ``pack_below`` go in packs: one backend object of up to
+        :data:`PACK_BYTES` per batch, each object's record pointing into it.
         Covers puts whose futures have resolved; wait for pending puts first to include them.
         """
         self._check_open()
@@ -266,8 +275,20 @@ class TierStore:
             for entry in dirty:
                 entry.writeback_error = None
                 self._begin_write_back(entry)
+        pack_bytes = min(PACK_BYTES, self._pool.capacity // 4)
+        batch: list[CacheEntry] = []
+        batch_bytes = 0
         for entry in dirty:
-            self._write_back(entry)
+            if not 0 < entry.nbytes < self.pack_below:
+                self._write_back(entry)
+                continue
+            if batch and batch_bytes + entry.nbytes > pack_bytes:
+                self._write_back_pack(batch)
+                batch, batch_bytes = [], 0
+            batch.append(entry)
+            batch_bytes += entry.nbytes
+        if batch:
+            self._write_back_pack(batch)
         with self._cond:
             self._cond.wait_for(lambda: not self._writebacks)
             failed = [entry for entry in self._cache if entry.writeback_error is not None]
@@ -522,46 +543,90 @@ class TierStore:
         try:
             future = self._start_write(entry.buffer.memoryview(entry.nbytes), Priority.BACKGROUND)
         except BaseException as error:
-            self._finish_write_back(entry, None, error)
+            self._finish_write_backs([entry], [None], error)
             return
         future.add_done_callback(
-            lambda done: self._finish_write_back(
-                entry, None if done.exception() else done.result(), done.exception()
+            lambda done: self._finish_write_backs(
+                [entry], [None if done.exception() else done.result()], done.exception()
             )
         )
 
-    def _finish_write_back(
+    def _write_back_pack(self, entries: list[CacheEntry]) -> None:
+        """Write marked small cache entries as one pack object (copied into a staging buffer from
+        the pool; each entry on its own if the pool has no room for it). The entries' records
+        are journaled together once the whole pack is written, so no reader sees part of one."""
+        total = sum(entry.nbytes for entry in entries)
+        staging = self._pool.try_acquire(total) if len(entries) > 1 else None
+        if staging is None:
+            for entry in entries:
+                self._write_back(entry)
+            return
+        members: list[tuple[int, int, str | None]] = []
+        packed = staging.memoryview(total)
+        offset = 0
+        for entry in entries:
+            data = entry.buffer.memoryview(entry.nbytes)
+            packed[offset : offset + entry.nbytes] = data  # a memcpy; a tensor slice costs ~10x more
+            members.append((offset, entry.nbytes, digest(data) if self.verify != "off" else None))
+            offset += entry.nbytes
+
+        def finish(done: Future[Placement]) -> None:
+            self._pool.release(staging)
+            error = done.exception()
+            if error is not None:
+                self._finish_write_backs(entries, [None] * len(entries), error)
+                return
+            pack = done.result()
+            self._finish_write_backs(entries, list(pack.tier.unpack(pack, members)), None)
+
+        try:
+            future = self._start_write(packed, Priority.BACKGROUND)
+        except BaseException as error:
+            self._pool.release(staging)
+            self._finish_write_backs(entries, [None] * len(entries), error)
+            return
+        future.add_done_callback(finish)
+
+    def _finish_write_backs(
         self,
-        entry: CacheEntry,
-        placement: Placement | None,
+        entries: Sequence[CacheEntry],
+        placements: Sequence[Placement | None],
         error: BaseException | None,
     ) -> None:
+        """Journal the write-backs still current (together: one sync for a pack), then mark them
+        clean; versions replaced or deleted meanwhile, and the ones they supersede, are garbage."""
         garbage: list[Placement] = []
         with self._cond:
-            record = self._records.get(entry.key)
-            current = error is None and record is not None and record.entry is entry
-        if current:
-            assert record is not None and placement is not None
-            try:
-                self._journal(entry.key, record, placement)
-            except BaseException as journal_error:
-                error, current = journal_error, False
-                garbage.append(placement)
-        elif placement is not None:  # replaced or deleted while writing: stale copy
-            garbage.append(placement)
+            records = [self._records.get(entry.key) for entry in entries]
+            current = [
+                error is None and record is not None and record.entry is entry
+                for entry, record in zip(entries, records, strict=True)
+            ]
+        committed = {
+            entry.key: (record, placement)
+            for entry, record, placement, now in zip(entries, records, placements, current, strict=True)
+            if now and record is not None and placement is not None
+        }
+        garbage.extend(p for p, now in zip(placements, current, strict=True) if p is not None and not now)
+        try:
+            self._journal_many(committed)
+        except BaseException as journal_error:
+            error, current = journal_error, [False] * len(entries)
+            garbage.extend(placement for _, placement in committed.values())
         with self._cond:
-            entry.writing = False
-            self._writebacks.discard(entry)
-            if error is not None:
-                entry.writeback_error = error
-            else:
-                self._stats["writebacks"] += 1
-            if current:
-                assert record is not None
-                garbage.extend(p for p in (record.persisted, record.journaled) if p is not None)
-                record.persisted, record.journaled = placement, None
-                entry.dirty = False
-            self._release_if_unused(entry)
+            for entry, record, placement, now in zip(entries, records, placements, current, strict=True):
+                entry.writing = False
+                self._writebacks.discard(entry)
+                if error is not None:
+                    entry.writeback_error = error
+                else:
+                    self._stats["writebacks"] += 1
+                if now:
+                    assert record is not None
+                    garbage.extend(p for p in (record.persisted, record.journaled) if p is not None)
+                    record.persisted, record.journaled = placement, None
+                    entry.dirty = False
+                self._release_if_unused(entry)
             self._cond.notify_all()
         for stale in garbage:
             stale.tier.discard(stale)
@@ -660,19 +725,13 @@ class TierStore:
             placement.tier.discard(placement)
 
     def _journal(self, key: str, record: _Record, placement: Placement) -> None:
-        if self._manifest is None or record.scratch:
-            return
-        self._manifest.commit(
-            key,
-            {
-                "shape": list(record.shape),
-                "dtype": str(record.dtype).removeprefix("torch."),
-                "nbytes": record.nbytes,
-                "tier": placement.tier.name,
-                "name": placement.name,
-                "extents": placement.describe(),
-            },
-        )
+        if self._manifest is not None and not record.scratch:
+            self._manifest.commit(key, _manifest_entry(record, placement))
+
+    def _journal_many(self, versions: dict[str, tuple[_Record, Placement]]) -> None:
+        journaled = {key: version for key, version in versions.items() if not version[0].scratch}
+        if self._manifest is not None and journaled:
+            self._manifest.commit_many({key: _manifest_entry(*version) for key, version in journaled.items()})
 
     def _reopen(self, manifest: Manifest) -> None:
         """Load the manifest's records; delete tier objects an interrupted write left behind."""
@@ -689,7 +748,9 @@ class TierStore:
                 raise ConfigError(
                     f"manifest {manifest.directory}: key {key!r} has unknown dtype {entry['dtype']!r}"
                 )
-            placement = tier.placement_from(entry["name"], int(entry["nbytes"]), entry["extents"])
+            placement = tier.placement_from(
+                entry["name"], int(entry["nbytes"]), entry["extents"], entry.get("pack")
+            )
             if not tier.reserve(placement.nbytes):
                 raise CapacityError(f"tier {tier.name!r} is too small for the objects its manifest lists")
             self._records[key] = _Record(
@@ -735,6 +796,23 @@ class TierStore:
         if record is None:
             raise KeyNotFoundError(f"no object with key {key!r}")
         return record
+
+
+def _manifest_entry(record: _Record, placement: Placement) -> dict[str, Any]:
+    """A key's manifest entry; a packed object adds ``pack`` (its offset and checksum in the pack
+    object ``name``, whose extents are ``extents``), so older entries keep their meaning."""
+    entry = {
+        "shape": list(record.shape),
+        "dtype": str(record.dtype).removeprefix("torch."),
+        "nbytes": record.nbytes,
+        "tier": placement.tier.name,
+        "name": placement.name,
+        "extents": placement.describe(),
+    }
+    pack_member = placement.pack_member()
+    if pack_member is not None:
+        entry["pack"] = pack_member
+    return entry
 
 
 def _token_of(name: str) -> str:

@@ -57,6 +57,10 @@ class Placement:
     extents: tuple[Extent, ...]
     checksums: tuple[str, ...] = ()
     """One :func:`digest` per extent, or none if the tier does not checksum."""
+    pack_offset: int | None = None
+    """Set for an object packed with others (small objects written back together): its bytes are
+    ``[pack_offset, pack_offset + nbytes)`` of the pack object ``name``, laid out by ``extents``
+    (the pack's), and ``checksums`` holds the object's own single checksum."""
 
     def describe(self) -> list[dict[str, Any]]:
         """The extents with path names (and checksums), for the manifest and telemetry."""
@@ -64,9 +68,16 @@ class Placement:
             {"path": self.tier.paths[e.path].name, "offset": e.offset, "length": e.length}
             for e in self.extents
         ]
-        for extent, checksum in zip(described, self.checksums, strict=False):
-            extent["checksum"] = checksum
+        if self.pack_offset is None:
+            for extent, checksum in zip(described, self.checksums, strict=False):
+                extent["checksum"] = checksum
         return described
+
+    def pack_member(self) -> dict[str, Any] | None:
+        """Where in its pack a packed object lies, for the manifest (None if not packed)."""
+        if self.pack_offset is None:
+            return None
+        return {"offset": self.pack_offset, "checksum": self.checksums[0] if self.checksums else None}
 
 
 class TierPath:
@@ -110,10 +121,13 @@ class TierPath:
         )
 
     def read_into(self, name: str, out: memoryview, priority: Priority) -> Future[None]:
-        """Read a whole object this path holds. The tier only reads objects it wrote, so an
+        return self.read_at(name, 0, out, priority)
+
+    def read_at(self, name: str, offset: int, out: memoryview, priority: Priority) -> Future[None]:
+        """Read bytes of an object this path holds. The tier only reads objects it wrote, so an
         absent one is lost data: :class:`MissingDataError`, never the backend's ``KeyError``."""
         read = self.scheduler.submit(
-            "read", priority, out.nbytes, lambda: self.backend.read_into(name, 0, out)
+            "read", priority, out.nbytes, lambda: self.backend.read_into(name, offset, out)
         )
         result: Future[None] = Future()
 
@@ -208,6 +222,8 @@ class Tier:
         self.failed_paths: set[int] = set()
         """Paths excluded from new objects after an I/O error."""
         self._placed = [0.0] * len(self.paths)  # bytes sent to each path by ``place``
+        self._pack_members: dict[str, int] = {}
+        """Live objects per pack object name; a pack is deleted with its last member."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -323,11 +339,23 @@ class Tier:
         attempt(frozenset(self.failed_paths))
         return result
 
+    def unpack(self, pack: Placement, members: Sequence[tuple[int, int, str | None]]) -> list[Placement]:
+        """Placements of the objects a written pack holds, from ``(offset, nbytes, checksum)`` each;
+        the pack is deleted once :meth:`discard` has been called for every one of them."""
+        with self._lock:
+            self._pack_members[pack.name] = self._pack_members.get(pack.name, 0) + len(members)
+        return [
+            Placement(self, pack.name, nbytes, pack.extents, (checksum,) if checksum else (), offset)
+            for offset, nbytes, checksum in members
+        ]
+
     def read_into(
         self, placement: Placement, out: memoryview, priority: Priority, *, verify: bool = True
     ) -> Future[None]:
         """Read every extent in parallel straight into its slice of ``out``; with ``verify``,
         check each extent's checksum (:class:`ChecksumError` names the path and object)."""
+        if placement.pack_offset is not None:
+            return self._read_packed(placement, out, priority, verify=verify)
         reads = [
             self.paths[e.path].read_into(placement.name, out[e.offset : e.offset + e.length], priority)
             for e in placement.extents
@@ -358,13 +386,66 @@ class Tier:
         for path in self.paths:
             path.backend.claim_scratch()
 
-    def discard(self, placement: Placement) -> None:
-        """Delete an object version from every path and give its capacity back."""
-        self._delete_extents(placement.name, placement.extents)
-        self.release(placement.nbytes)
+    def _read_packed(
+        self, placement: Placement, out: memoryview, priority: Priority, *, verify: bool
+    ) -> Future[None]:
+        """Read a packed object: from each pack extent it overlaps, the smallest window the path's
+        backend alignment allows, into a scratch buffer, then copy the object's bytes out."""
+        assert placement.pack_offset is not None
+        start, end = placement.pack_offset, placement.pack_offset + placement.nbytes
+        pieces: list[tuple[Future[None], bytearray, int, int, int]] = []
+        for extent in placement.extents:
+            first, last = max(start, extent.offset), min(end, extent.offset + extent.length)
+            if first >= last:
+                continue
+            path = self.paths[extent.path]
+            alignment = path.backend.capabilities.alignment
+            window = (first - extent.offset) // alignment * alignment  # offset in the path's object
+            scratch = bytearray(
+                min(extent.length - window, -(-(last - extent.offset) // alignment) * alignment - window)
+            )
+            read = path.read_at(placement.name, window, memoryview(scratch), priority)
+            pieces.append((read, scratch, first - extent.offset - window, first - start, last - first))
 
-    def placement_from(self, name: str, nbytes: int, described: Sequence[dict[str, Any]]) -> Placement:
-        """Rebuild a placement from :meth:`Placement.describe` output (a manifest entry)."""
+        def copy_out() -> None:
+            for _, scratch, skip, at, length in pieces:
+                out[at : at + length] = scratch[skip : skip + length]
+            if verify and placement.checksums and digest(out) != placement.checksums[0]:
+                raise ChecksumError(
+                    f"object at bytes {start}-{end} of pack {placement.name} on tier {self.name}: "
+                    "bytes do not match their checksum"
+                )
+
+        def count(done: Future[None]) -> None:
+            if done.exception() is None:
+                self._count("bytes_read", out.nbytes)
+
+        future = when_all([piece[0] for piece in pieces], copy_out)
+        future.add_done_callback(count)
+        return future
+
+    def discard(self, placement: Placement) -> None:
+        """Delete an object version from every path and give its capacity back (a packed object's
+        pack goes once its last member is discarded)."""
+        self.release(placement.nbytes)
+        if placement.pack_offset is not None:
+            with self._lock:
+                left = self._pack_members[placement.name] - 1
+                if left:
+                    self._pack_members[placement.name] = left
+                    return
+                del self._pack_members[placement.name]
+        self._delete_extents(placement.name, placement.extents)
+
+    def placement_from(
+        self,
+        name: str,
+        nbytes: int,
+        described: Sequence[dict[str, Any]],
+        pack_member: dict[str, Any] | None = None,
+    ) -> Placement:
+        """Rebuild a placement from :meth:`Placement.describe` (and :meth:`Placement.pack_member`)
+        output: a manifest entry."""
         index = {path.name: i for i, path in enumerate(self.paths)}
         extents, checksums = [], []
         for extent in described:
@@ -376,7 +457,11 @@ class Tier:
             extents.append(Extent(index[extent["path"]], int(extent["offset"]), int(extent["length"])))
             if "checksum" in extent:
                 checksums.append(str(extent["checksum"]))
-        return Placement(self, name, nbytes, tuple(extents), tuple(checksums))
+        if pack_member is None:
+            return Placement(self, name, nbytes, tuple(extents), tuple(checksums))
+        pack = Placement(self, name, sum(e.length for e in extents), tuple(extents))
+        checksum = pack_member.get("checksum")
+        return self.unpack(pack, [(int(pack_member["offset"]), nbytes, checksum and str(checksum))])[0]
 
     def _delete_extents(self, name: str, extents: Sequence[Extent]) -> None:
         for extent in extents:
