@@ -157,7 +157,7 @@ def test_probe_reports_and_caches(
     assert main(["probe", str(config), "--size", "4MiB"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {"fast", "disk"}
-    assert 0.2 < report["fast"]["write_gb_per_s"] <= 0.41
+    assert 0 < report["fast"]["write_gb_per_s"] <= 0.41  # throttled to 0.4 GB/s; how far below is load
     assert (tmp_path / "cache" / "tierstore" / "bandwidth.json").exists()
 
 
