@@ -58,7 +58,8 @@ def train(*args: str, world: int = 1, output: Path) -> list[dict[str, Any]]:
         )
         for rank in range(world)
     ]
-    logs = [process.communicate(timeout=600)[0] for process in processes]
+    # Generous: on a CPU without native bf16 the 55M-parameter runs take ~7 minutes each.
+    logs = [process.communicate(timeout=1800)[0] for process in processes]
     for process, log in zip(processes, logs, strict=True):
         assert process.returncode == 0, log[-4000:]
     rows: list[dict[str, Any]] = json.loads(output.read_text())["rows"]

@@ -42,7 +42,7 @@ class MemoryLedger:
         with self._lock:
             held = sum(r.nbytes for r in self._held)
             if self.capacity is not None and held + nbytes > self.capacity:
-                holders = ", ".join(f"{r.owner} {r.nbytes}" for r in self._held) or "nobody"
+                holders = ", ".join(f"{owner} {n}" for owner, n in sorted(self._totals().items())) or "nobody"
                 raise CapacityError(
                     f"{owner}: {nbytes} bytes of DRAM do not fit the store's memory budget of "
                     f"{self.capacity} bytes beside what is reserved already ({holders})"
@@ -58,7 +58,10 @@ class MemoryLedger:
     def held(self) -> dict[str, int]:
         """Bytes reserved per owner."""
         with self._lock:
-            totals: dict[str, int] = {}
-            for reservation in self._held:
-                totals[reservation.owner] = totals.get(reservation.owner, 0) + reservation.nbytes
-            return totals
+            return self._totals()
+
+    def _totals(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for reservation in self._held:
+            totals[reservation.owner] = totals.get(reservation.owner, 0) + reservation.nbytes
+        return dict(sorted(totals.items()))
