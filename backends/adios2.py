@@ -44,8 +44,8 @@ import numpy as np
 from pydantic import ByteSize, Field
 
 from ..errors import BackendIOError, KeyNotFoundError
-from .base import NAME_PATTERN, Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
-from .private import PrivateDirectory, remove_abandoned
+from .base import NAME_PATTERN, BackendOptions, Capabilities, DirectoryBackend, DirectoryOptions, PageMultiple
+from .private import PrivateDirectory
 
 SLOTS = 2
 SlotCallback = Callable[[np.ndarray, int, int], None]
@@ -53,9 +53,7 @@ SlotCallback = Callable[[np.ndarray, int, int], None]
 WORKER = Path(__file__).with_name("_adios2_worker.py")
 
 
-class Adios2Options(BackendOptions):
-    path: Path
-    """Directory of the ``.bp`` objects; created (owner-only) if missing."""
+class Adios2Options(DirectoryOptions):
     engine: Literal["BP5", "BP4"] = "BP5"
     parameters: dict[str, str] = Field(
         default_factory=lambda: {"StatsLevel": "0", "BufferChunkSize": str(128 << 20)}
@@ -65,22 +63,18 @@ class Adios2Options(BackendOptions):
     """Size of each shared-memory slot (one put/get); a multiple of 4096."""
 
 
-class Adios2Backend(Backend):
+class Adios2Backend(DirectoryBackend):
     """Whole objects in BP5 files; ADIOS2 itself runs in a worker process."""
 
     scheme = "adios2"
     Options = Adios2Options
     options: Adios2Options
+    PRIVATE_KINDS = ("writing", "scratch")
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
         assert isinstance(options, Adios2Options)
-        self.root = prepare_root(options.path, self.scheme)
-        self._location = Location.of_directory(self.root)
-        for kind in ("writing", "scratch"):  # left by backends that ended without closing
-            remove_abandoned(self.root, kind)
         self._writing: PrivateDirectory | None = None  # made by the first write
-        self._scratch: PrivateDirectory | None = None
         self._worker: _Worker | None = None
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -96,16 +90,6 @@ class Adios2Backend(Backend):
             persistent=True,
             direct_io=False,
         )
-
-    def location(self) -> Location:
-        return self._location
-
-    def claim_scratch(self) -> None:
-        """Objects written from now on go to a private ``.scratch-<id>/`` directory."""
-        self._check_open()
-        if self._scratch is None:
-            self._scratch = PrivateDirectory(self.root, "scratch")
-            self.root = self._scratch.path
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
@@ -214,9 +198,9 @@ class Adios2Backend(Backend):
         self._dispatch.shutdown(wait=True)
         if self._worker is not None:
             self._worker.stop()
-        for private in (self._writing, self._scratch):
-            if private is not None:
-                private.remove()
+        if self._writing is not None:
+            self._writing.remove()
+        self._remove_scratch()
 
     def _path(self, name: str) -> Path:
         return self.root / f"{name}.bp"

@@ -63,6 +63,7 @@ from ..errors import (
     UnwritablePathError,
     config_error_from_validation,
 )
+from .private import PrivateDirectory, remove_abandoned
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 """Valid object names: flat, portable file names that cannot escape a root directory."""
@@ -313,50 +314,39 @@ def check_name(name: str) -> None:
         )
 
 
-class WrapperOptions(BackendOptions):
-    inner: str | dict[str, Any]
-    """The wrapped backend (URL or table)."""
+class DirectoryOptions(BackendOptions):
+    path: Path
+    """Root directory of the objects; created (owner-only) if missing."""
 
 
-class WrapperBackend(Backend):
-    """A backend in front of another (``inner``): same capabilities, and the metadata operations
-    pass straight through. The test and emulation wrappers (``throttle``, ``fault``) build on it
-    and override only the data path."""
+class DirectoryBackend(Backend):
+    """A backend whose objects are files under one local directory, which other backend
+    instances may share: what an instance creates for itself alone goes into private directories
+    (:mod:`.private`), and those of instances that ended without closing are collected at open."""
 
-    Options: ClassVar[type[BackendOptions]] = WrapperOptions
+    PRIVATE_KINDS: ClassVar[tuple[str, ...]] = ("scratch",)
+    """The private directories this backend makes (collected at open when abandoned)."""
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
-        assert isinstance(options, WrapperOptions)
-        from .registry import open_backend  # the registry imports this module
+        assert isinstance(options, DirectoryOptions)
+        self.root = prepare_root(options.path, self.scheme)
+        self._location = Location.of_directory(self.root)
+        for kind in self.PRIVATE_KINDS:
+            remove_abandoned(self.root, kind)
+        self._scratch: PrivateDirectory | None = None
 
-        self.inner = open_backend(options.inner, where=f"{self.scheme}.inner")
-
-    @classmethod
-    def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        return dict(query)  # e.g. fault://?inner=dram://
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    def _delete(self, name: str) -> None:
-        self.inner.delete(name)
-
-    def _exists(self, name: str) -> bool:
-        return self.inner.exists(name)
-
-    def _size(self, name: str) -> int:
-        return self.inner.size(name)
-
-    def _list(self) -> builtins.list[str]:
-        return self.inner.list()
-
-    def location(self) -> Location | None:
-        return self.inner.location()
+    def location(self) -> Location:
+        return self._location
 
     def claim_scratch(self) -> None:
-        self.inner.claim_scratch()
+        """Objects written from now on go to a private ``.scratch-<id>/`` directory."""
+        self._check_open()
+        if self._scratch is None:
+            self._scratch = PrivateDirectory(self.root, "scratch")
+            self.root = self._scratch.path
 
-    def _close(self) -> None:
-        self.inner.close()
+    def _remove_scratch(self) -> None:
+        """At close: a scratch store's objects go with their directory."""
+        if self._scratch is not None:
+            self._scratch.remove()

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import BackendIOError, ConfigError
-from .base import BackendOptions, WrapperBackend
+from .base import BackendOptions
+from .wrapper import WrapperBackend
 
 Operation = Literal["write", "read", "delete"]
 

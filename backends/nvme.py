@@ -51,8 +51,8 @@ from pydantic import ByteSize, Field
 from .._futures import when_all
 from ..buffers import ALIGNMENT, AlignedBuffer, buffer_address, round_up
 from ..errors import BackendIOError, ConfigError, KeyNotFoundError, UnwritablePathError
-from .base import Backend, BackendOptions, Capabilities, Location, PageMultiple, prepare_root
-from .private import PrivateDirectory, remove_abandoned
+from .base import BackendOptions, Capabilities, DirectoryBackend, DirectoryOptions, PageMultiple
+from .private import PrivateDirectory
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 LEGACY_SPARE = re.compile(r"\.spare-[0-9]+")
@@ -60,9 +60,7 @@ LEGACY_SPARE = re.compile(r"\.spare-[0-9]+")
 such a version runs (it writes a fresh file when its spare has vanished)."""
 
 
-class NvmeOptions(BackendOptions):
-    path: Path
-    """Root directory of the objects; created (owner-only) if missing."""
+class NvmeOptions(DirectoryOptions):
     queue_depth: int = Field(16, ge=1, le=256)
     """Requests in flight at once (worker threads). O_DIRECT needs 4 or more; 16 matched fio's
     best iodepth on this machine's disk."""
@@ -77,19 +75,18 @@ class NvmeOptions(BackendOptions):
     0 unlinks at once. Bounds the extra disk space to this many deleted objects."""
 
 
-class NvmeBackend(Backend):
+class NvmeBackend(DirectoryBackend):
     """Files under one directory, transferred by a thread pool with O_DIRECT."""
 
     scheme = "nvme"
     Options = NvmeOptions
     options: NvmeOptions
+    PRIVATE_KINDS = ("spares", "scratch")
 
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
         assert isinstance(options, NvmeOptions)
-        self.root = prepare_root(options.path, self.scheme)
-        self._location = Location.of_directory(self.root)
-        self._collect_abandoned()
+        self._remove_legacy_spares()
         self._chunk = int(options.chunk_bytes)
         try:
             self.direct = self._probe_direct(options.direct)
@@ -105,22 +102,8 @@ class NvmeBackend(Backend):
         self._spare_names = itertools.count()
         self._spare_lock = threading.Lock()
         self._spare_directory: PrivateDirectory | None = None  # made with the first spare
-        self._scratch: PrivateDirectory | None = None
 
-    def location(self) -> Location:
-        return self._location
-
-    def claim_scratch(self) -> None:
-        """Objects written from now on go to a private ``.scratch-<id>/`` directory."""
-        self._check_open()
-        if self._scratch is None:
-            self._scratch = PrivateDirectory(self.root, "scratch")
-            self.root = self._scratch.path
-
-    def _collect_abandoned(self) -> None:
-        """Remove spares and scratch objects of backends that ended without closing (a crash)."""
-        for kind in ("spares", "scratch"):
-            remove_abandoned(self.root, kind)
+    def _remove_legacy_spares(self) -> None:
         with os.scandir(self.root) as entries:
             legacy = [
                 entry.path
@@ -246,23 +229,16 @@ class NvmeBackend(Backend):
             if not self.direct:
                 _pwrite_all(fd, data, offset)
                 return
-            head = data.nbytes - data.nbytes % ALIGNMENT
             with self._bounce_buffer() as bounce:
-                if head:
-                    if buffer_address(data) % ALIGNMENT == 0:
-                        _pwrite_all(fd, data[:head], offset)
-                    else:
-                        _copy(bounce.memoryview(head), data[:head])
-                        _pwrite_all(fd, bounce.memoryview(head), offset)
-                tail = data.nbytes - head
+                tail = self._direct_head(fd, offset, data, bounce, write=True)
                 if tail:
                     block = bounce.memoryview(ALIGNMENT)
-                    block_offset = offset + head
+                    block_offset = offset + data.nbytes - tail
                     if block_offset + tail < size_before:  # keep the object's bytes after ours
                         os.preadv(fd, [block], block_offset)
                     else:
                         np.frombuffer(block, np.uint8)[tail:] = 0
-                    _copy(block[:tail], data[head:])
+                    _copy(block[:tail], data[-tail:])
                     _pwrite_all(fd, block, block_offset)
         except BackendIOError:
             raise
@@ -274,25 +250,37 @@ class NvmeBackend(Backend):
             if not self.direct:
                 _pread_all(fd, out, offset)
                 return
-            head = out.nbytes - out.nbytes % ALIGNMENT
             with self._bounce_buffer() as bounce:
-                if head:
-                    if buffer_address(out) % ALIGNMENT == 0:
-                        _pread_all(fd, out[:head], offset)
-                    else:
-                        _pread_all(fd, bounce.memoryview(head), offset)
-                        _copy(out[:head], bounce.memoryview(head))
-                tail = out.nbytes - head
+                tail = self._direct_head(fd, offset, out, bounce, write=False)
                 if tail:
                     block = bounce.memoryview(ALIGNMENT)
-                    got = os.preadv(fd, [block], offset + head)  # short at end of file
+                    got = os.preadv(fd, [block], offset + out.nbytes - tail)  # short at end of file
                     if got < tail:
                         raise BackendIOError(errno.EIO, f"nvme: file ended {tail - got} bytes early")
-                    _copy(out[head:], block[:tail])
+                    _copy(out[-tail:], block[:tail])
         except BackendIOError:
             raise
         except OSError as error:
             raise _io_error(error, f"reading {out.nbytes} bytes at offset {offset}") from error
+
+    @staticmethod
+    def _direct_head(fd: int, offset: int, data: memoryview, bounce: AlignedBuffer, *, write: bool) -> int:
+        """Transfer the whole aligned blocks of ``data`` with O_DIRECT (through ``bounce`` when
+        ``data`` itself is not aligned); return the length of the partial last block left over,
+        which reads and writes finish differently."""
+        head = data.nbytes - data.nbytes % ALIGNMENT
+        if head:
+            aligned = buffer_address(data) % ALIGNMENT == 0
+            staged = data[:head] if aligned else bounce.memoryview(head)
+            if write:
+                if not aligned:
+                    _copy(staged, data[:head])
+                _pwrite_all(fd, staged, offset)
+            else:
+                _pread_all(fd, staged, offset)
+                if not aligned:
+                    _copy(data[:head], staged)
+        return data.nbytes - head
 
     def _open(self, path: Path, flags: int) -> int:
         try:
@@ -349,8 +337,7 @@ class NvmeBackend(Backend):
             self._spares.clear()
             if self._spare_directory is not None:
                 self._spare_directory.remove()
-        if self._scratch is not None:
-            self._scratch.remove()
+        self._remove_scratch()
         with self._bounce_lock:
             for buffer in self._bounce:
                 buffer.free()

@@ -20,7 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pydantic import ByteSize, Field
 
 from ..errors import ConfigError
-from .base import BackendOptions, WrapperBackend, WrapperOptions
+from .base import BackendOptions
+from .wrapper import WrapperBackend, WrapperOptions
 
 
 class ThrottleOptions(WrapperOptions):
