@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..buffers import AlignedBuffer
+from ..buffers import aligned_tensor
 from ..errors import BufferMismatchError, ConfigError
 from ..snapshot import export_hdf5, import_hdf5
 from ..store import TierStore
@@ -102,7 +102,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.param_steps = [0] * len(self.params)
         """Per parameter, the steps on which it had a gradient: its bias correction, as in torch."""
         self.skipped_steps = 0
-        self._grad = AlignedBuffer(FP32 * largest).view(FP32 * largest).view(torch.float32)
+        self._grad = aligned_tensor(largest)
         self._write_all(None)
 
     # -- public -----------------------------------------------------------------------------------

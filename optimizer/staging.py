@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from ..buffers import AlignedBuffer
+from ..buffers import aligned_tensor
 from ..errors import CapacityError, ConfigError
 from ..model import PathSpeed, plan_pass
 from ..store import TierStore
@@ -70,10 +70,7 @@ class SubGroupStager:
         reservation = store.memory.reserve(f"optimizer {namespace}", self.dram_budget)
         weakref.finalize(self, store.memory.release, reservation)
         spare = (self.dram_budget - working) // self.slot_bytes
-        self.buffers = [
-            AlignedBuffer(self.slot_bytes).view(self.slot_bytes).view(torch.float32)
-            for _ in range(prefetch_depth + spare)
-        ]
+        self.buffers = [aligned_tensor(max(slot_elements, 1)) for _ in range(prefetch_depth + spare)]
         self._free: list[torch.Tensor] = list(self.buffers)
         self._sizes: dict[Hashable, int] = {}
         self.resident: dict[Hashable, torch.Tensor] = {}

@@ -90,8 +90,7 @@ def test_reopen_finds_every_committed_object(tmp_path: Path) -> None:
 
 
 def _name(store: TierStore, key: str) -> str:
-    record = store._records[key]
-    return record.persisted.name if record.persisted else ""
+    return store.info(key).name or ""
 
 
 def test_reopen_across_nvme_and_zarr_tiers(tmp_path: Path) -> None:
@@ -276,6 +275,51 @@ def test_kill_9_at_random_moments_never_tears_an_object(tmp_path: Path) -> None:
             assert on_disk == referenced  # interrupted writes were collected at reopen
         version = started + 1
     assert version > 40 and seen == 8  # the writer made real progress between kills
+
+
+def test_the_journal_stays_bounded_while_the_store_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tierstore.manifest.COMPACT_AFTER", 50)
+    config = persistent(tmp_path)
+    journal = tmp_path / "manifest" / "journal.jsonl"
+    longest = 0
+    with TierStore.from_config(config) as store:
+        for version in range(400):
+            store.put(f"k{version % 10}", torch.full((100,), version), cache=False).result()
+            longest = max(longest, len(journal.read_text().splitlines()))
+    assert longest <= 50  # without compaction while running: 401 lines before close
+    with TierStore.from_config(config) as store:
+        assert {key: int(store[key][0]) for key in store} == {f"k{k}": 390 + k for k in range(10)}
+
+
+@pytest.mark.parametrize("step", ["snapshot-written", "snapshot-renamed", "journal-truncated"])
+def test_a_crash_during_compaction_loses_nothing(tmp_path: Path, step: str) -> None:
+    config = persistent(tmp_path)
+    child = subprocess.run(
+        [sys.executable, str(TESTS / "crash_compactor.py"), json.dumps(config), step],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    done: dict[str, int] = {}
+    started: dict[str, int] = {}
+    for line in child.stdout.splitlines():
+        event, key, version = line.split()
+        (done if event == "done" else started)[key] = int(version)
+    assert len(done) == 8  # the crash came after every key had a version
+    with TierStore.from_config(config) as store:
+        assert set(store.keys()) == set(done)
+        for key in store:
+            values = store[key]
+            assert bool((values == values[0]).all()) and values.numel() == 1000 + int(values[0]), key
+            assert int(values[0]) in (done[key], started[key]), (
+                key
+            )  # the last acknowledged, or the one in flight
+        referenced = {_name(store, key) for key in store}
+        assert {p.name for p in nvme_root(store).iterdir() if not p.name.startswith(".")} == referenced
 
 
 def test_a_failed_put_keeps_the_previous_version_across_reopen(tmp_path: Path) -> None:

@@ -204,7 +204,7 @@ def test_kill_9_during_pack_writes_loses_nothing_flushed(tmp_path: Path) -> None
                 assert flushed <= int(values[0]) <= started, key
             if flushed >= 0:
                 assert len(store) == 300
-            referenced = {store._records[key].persisted.name for key in store}  # type: ignore[union-attr]
+            referenced = {store.info(key).name for key in store}
             assert set(backend_objects(store)) == referenced
         version = started + 1
     assert version > 3

@@ -37,9 +37,9 @@ def private_directories(root: Path) -> set[str]:
 def backing_file(store: TierStore, key: str) -> Path:
     backend = store.tiers[0].paths[0].backend
     assert isinstance(backend, NvmeBackend)
-    placement = store._records[key].persisted
-    assert placement is not None
-    return backend.root / placement.name
+    name = store.info(key).name
+    assert name is not None
+    return backend.root / name
 
 
 # -- two stores, one directory ----------------------------------------------------------------------

@@ -494,5 +494,5 @@ def test_concurrent_puts_get_distinct_backend_names() -> None:
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(put_many, range(8)))
-        names = {store._records[key].persisted.name for key in store}  # type: ignore[union-attr]
+        names = {store.info(key).name for key in store}
         assert len(store) == len(names) == 1600

@@ -53,3 +53,34 @@ def when_all(futures: Sequence[Future[Any]], on_done: Callable[[], T]) -> Future
     for future in futures:
         future.add_done_callback(one_done)
     return combined
+
+
+def with_failover(attempt: Callable[[], Future[T]], again: Callable[[BaseException], bool]) -> Future[T]:
+    """The result of ``attempt()``, run anew each time its future fails and ``again(error)`` says
+    another way is left (the next tier of a store, the remaining paths of a tier). ``again`` sees
+    every failure, also an error ``attempt`` raises itself, so it is where the caller records what
+    failed and cleans up when it gives up."""
+    result: Future[T] = Future()
+
+    def start() -> None:
+        try:
+            future = attempt()
+        except BaseException as error:
+            if again(error):
+                start()
+            else:
+                result.set_exception(error)
+            return
+        future.add_done_callback(settle)
+
+    def settle(done: Future[T]) -> None:
+        error = done.exception()
+        if error is None:
+            result.set_result(done.result())
+        elif again(error):
+            start()
+        else:
+            result.set_exception(error)
+
+    start()
+    return result

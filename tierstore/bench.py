@@ -132,7 +132,6 @@ def measure_tier(
     def write(index: int) -> Future[Placement]:
         if between is not None:
             between(index)
-        tier.reserve(nbytes)
         future = tier.write(f"tierstore-bench-{index}", source.memoryview(nbytes), Priority.CRITICAL)
         begun = time.perf_counter()
         future.add_done_callback(lambda _: object_seconds.__setitem__(index, time.perf_counter() - begun))
@@ -169,7 +168,6 @@ def measure_round_trips(
     for index in range(count):
         if between is not None:
             between(index)
-        tier.reserve(nbytes)
         started = time.perf_counter()
         placement = tier.write(
             f"tierstore-trip-{index}", source.memoryview(nbytes), Priority.CRITICAL

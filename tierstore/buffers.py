@@ -92,6 +92,13 @@ class AlignedBuffer:
             self.pinned = self._owns_pin = False
 
 
+def aligned_tensor(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements in page-aligned memory of its own: O_DIRECT reads and
+    writes go straight to and from it, without a bounce copy."""
+    nbytes = numel * dtype.itemsize
+    return AlignedBuffer(nbytes).view(nbytes).view(dtype)
+
+
 def _cuda_host_register(tensor: torch.Tensor) -> None:
     status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)  # type: ignore[no-untyped-call]
     if int(status) != 0:

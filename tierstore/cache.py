@@ -1,20 +1,45 @@
-"""The DRAM cache: which objects have a copy in pool buffers, in LRU order.
+"""The DRAM write-back cache: which objects have a copy in pool buffers, and getting dirty copies
+onto a tier without ever exceeding the byte budget.
 
-This module holds the bookkeeping only; the store decides when to write back and evict, because
-that needs the tiers. An entry's buffer goes back to the pool only when nothing uses it any more:
-no reader has it pinned, no write-back is reading from it, and it is no longer the object's
-current copy.
+The cache knows nothing of the store: it is given a writer (bytes -> a placement, the tier chain)
+and an ``on_written`` callback (the commit protocol, which journals the new versions and says which
+ones are still current). Write-back completions run on the cache's own completion thread, so a
+journal ``fdatasync`` or a stale copy's delete never holds up a backend's I/O threads.
+
+An entry's buffer goes back to the pool only when nothing uses it any more: no reader has it
+pinned, no write-back is reading from it, and it is no longer the object's current copy. Making
+room waits for write-back of dirty entries instead of growing.
+
+One lock (the store's, passed in) guards the cache together with the store's catalogue: which copy
+is current must change in the same step for both.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .buffers import AlignedBuffer
+from .buffers import AlignedBuffer, BufferPool, round_up
+from .errors import BackendIOError, CapacityError, StoreClosedError
+from .limits import Priority
+
+if TYPE_CHECKING:
+    from .tier import Placement
+
+PACK_BYTES = 4 << 20
+"""Most bytes of small objects written back together as one pack object."""
+
+Writer = Callable[[memoryview, Priority], "Future[Placement]"]
+PackWriter = Callable[[memoryview, Sequence[tuple[int, int]], Priority], "Future[list[Placement]]"]
+OnWritten = Callable[[Sequence["CacheEntry"], Sequence["Placement"]], list[bool]]
+"""Given entries written back and their new placements, commit those still current and return
+which; raises if committing failed (it disposes of the placements itself)."""
 
 
 @dataclass(eq=False)
@@ -34,6 +59,9 @@ class CacheEntry:
     def typed(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The cached bytes viewed as the object's tensor (shares the buffer)."""
         return self.buffer.view(self.nbytes).view(dtype).view(shape)
+
+    def memoryview(self) -> memoryview:
+        return self.buffer.memoryview(self.nbytes)
 
     @property
     def releasable(self) -> bool:
@@ -72,3 +100,272 @@ class LruIndex:
             if not entry.pins and not entry.writing and entry.writeback_error is None:
                 return entry
         return None
+
+
+class WriteBackCache:
+    """Copies of objects in DRAM under a hard byte budget, written back to tiers lazily."""
+
+    def __init__(
+        self,
+        budget: int,
+        lock: threading.Condition,
+        *,
+        write: Writer,
+        write_pack: PackWriter,
+        on_written: OnWritten,
+        pack_below: int,
+    ) -> None:
+        self.lock = lock
+        self.pack_below = pack_below
+        """Dirty objects smaller than this are written back in packs (one backend object each)."""
+        self._pool = BufferPool(budget)
+        self._index = LruIndex()
+        self._write = write
+        self._write_pack = write_pack
+        self._on_written = on_written
+        self._writebacks: set[CacheEntry] = set()
+        self._completions = ThreadPoolExecutor(1, thread_name_prefix="tierstore-commit")
+        self._counters = {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
+        self._peak_bytes = 0
+        self._closed = False
+
+    @property
+    def capacity(self) -> int:
+        return self._pool.capacity
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an object of ``nbytes`` can ever be cached (it is not larger than the budget)."""
+        return self._pool.fits(nbytes)
+
+    # -- lookups (hold ``lock``) ------------------------------------------------------------------
+    def lookup(self, key: str) -> CacheEntry | None:
+        return self._index.get(key)
+
+    def pin(self, key: str) -> CacheEntry | None:
+        """The current copy of ``key``, pinned against release, or None (a miss)."""
+        entry = self._index.get(key)
+        if entry is None:
+            self._counters["misses"] += 1
+            return None
+        entry.pins += 1
+        self._index.touch(entry)
+        self._counters["hits"] += 1
+        return entry
+
+    def touch(self, key: str) -> bool:
+        """Mark ``key`` recently used; False if it is not cached."""
+        entry = self._index.get(key)
+        if entry is not None:
+            self._index.touch(entry)
+        return entry is not None
+
+    def attach(self, key: str, entry: CacheEntry | None) -> None:
+        """Make ``entry`` the current copy of ``key`` (None: the key has no cached copy now)."""
+        previous = self._index.get(key)
+        if previous is not None and previous is not entry:
+            self._detach(previous)
+        if entry is not None:
+            self._index.insert(entry)
+
+    # -- entries ----------------------------------------------------------------------------------
+    def new_entry(self, key: str, nbytes: int, *, dirty: bool, pins: int = 0) -> CacheEntry:
+        """An unattached entry with a buffer for ``nbytes`` (making room as needed)."""
+        return CacheEntry(key, self._acquire(nbytes), nbytes, dirty=dirty, pins=pins)
+
+    def abandon(self, entry: CacheEntry) -> None:
+        """Give back the buffer of an entry that was never attached (its fill failed)."""
+        with self.lock:
+            self._pool.release(entry.buffer)
+
+    def load(self, key: str, nbytes: int, read: Callable[[memoryview], None], *, pinned: bool) -> CacheEntry:
+        """Fill a new clean entry with ``read`` and attach it as ``key``'s copy."""
+        entry = self.new_entry(key, nbytes, dirty=False, pins=int(pinned))
+        try:
+            read(entry.memoryview())
+        except BaseException:
+            self.abandon(entry)
+            raise
+        with self.lock:
+            self.attach(key, entry)
+        return entry
+
+    def unpin(self, entry: CacheEntry) -> None:
+        with self.lock:
+            entry.pins -= 1
+            self._release_if_unused(entry)
+            self.lock.notify_all()
+
+    # -- write-back -------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write every dirty entry back and wait; raises if any write-back failed.
+
+        Entries smaller than ``pack_below`` go in packs: one backend object of up to
+        :data:`PACK_BYTES` per batch."""
+        with self.lock:
+            dirty = [entry for entry in self._index if entry.dirty and not entry.writing]
+            for entry in dirty:
+                entry.writeback_error = None
+                self._begin_write_back(entry)
+        pack_bytes = min(PACK_BYTES, self._pool.capacity // 4)
+        batch: list[CacheEntry] = []
+        batch_bytes = 0
+        for entry in dirty:
+            if not 0 < entry.nbytes < self.pack_below:
+                self._write_back(entry)
+                continue
+            if batch and batch_bytes + entry.nbytes > pack_bytes:
+                self._write_back_pack(batch)
+                batch, batch_bytes = [], 0
+            batch.append(entry)
+            batch_bytes += entry.nbytes
+        if batch:
+            self._write_back_pack(batch)
+        with self.lock:
+            self.lock.wait_for(lambda: not self._writebacks)
+            failed = [entry for entry in self._index if entry.writeback_error is not None]
+        if failed:
+            raise BackendIOError(
+                f"flush: write-back failed for {len(failed)} object(s), e.g. {failed[0].key!r}: "
+                f"{failed[0].writeback_error}"
+            ) from failed[0].writeback_error
+
+    def _acquire(self, nbytes: int) -> AlignedBuffer:
+        """A buffer for ``nbytes``, writing back and evicting LRU entries to make room."""
+        needed = round_up(max(nbytes, 1))
+        while True:
+            with self.lock:
+                if self._closed:
+                    raise StoreClosedError("the TierStore is closed")
+                buffer = self._pool.try_acquire(nbytes)
+                if buffer is not None:
+                    self._peak_bytes = max(self._peak_bytes, self._pool.allocated_bytes)
+                    return buffer
+                victim = self._index.victim()
+                if victim is not None and not victim.dirty:
+                    self._detach(victim)
+                    self._counters["evictions"] += 1
+                    continue
+                in_flight = sum(entry.nbytes for entry in self._writebacks)
+                if victim is None or in_flight >= needed:
+                    self._wait_for_room(needed)
+                    continue
+                self._begin_write_back(victim)
+            self._write_back(victim)
+
+    def _wait_for_room(self, needed: int) -> None:
+        """Wait for a pin, load or write-back to end; fail if failed write-backs hold the room."""
+        stuck = sum(e.buffer.capacity for e in self._index if e.writeback_error is not None)
+        if self._pool.capacity - stuck < needed:
+            cause = next(e.writeback_error for e in self._index if e.writeback_error is not None)
+            raise CapacityError(
+                f"no cache room for {needed} bytes: {stuck} bytes are dirty objects whose "
+                f"write-back failed ({cause}); fix the tier and call flush()"
+            ) from cause
+        self.lock.wait(timeout=1.0)
+
+    def _begin_write_back(self, entry: CacheEntry) -> None:
+        """Mark ``entry`` as being written back (under the lock, before writing it)."""
+        entry.writing = True
+        self._writebacks.add(entry)
+
+    def _write_back(self, entry: CacheEntry) -> None:
+        """Write a marked entry to a tier, outside the lock; completes asynchronously."""
+        future = self._write(entry.memoryview(), Priority.BACKGROUND)
+        future.add_done_callback(
+            lambda done: self._completions.submit(
+                self._finish, [entry], None if done.exception() else [done.result()], done.exception()
+            )
+        )
+
+    def _write_back_pack(self, entries: list[CacheEntry]) -> None:
+        """Write marked small entries as one pack object, copied into a staging buffer from the
+        pool (each on its own if the pool has no room for it); their new versions commit
+        together once the whole pack is written, so no reader sees part of one."""
+        total = sum(entry.nbytes for entry in entries)
+        with self.lock:
+            staging = self._pool.try_acquire(total) if len(entries) > 1 else None
+        if staging is None:
+            for entry in entries:
+                self._write_back(entry)
+            return
+        spans: list[tuple[int, int]] = []
+        packed = staging.memoryview(total)
+        offset = 0
+        for entry in entries:
+            packed[offset : offset + entry.nbytes] = (
+                entry.memoryview()
+            )  # a memcpy; a tensor slice costs ~10x more
+            spans.append((offset, entry.nbytes))
+            offset += entry.nbytes
+
+        def done(written: Future[list[Placement]]) -> None:
+            with self.lock:
+                self._pool.release(staging)
+            error = written.exception()
+            self._finish(entries, None if error else written.result(), error)
+
+        self._write_pack(packed, spans, Priority.BACKGROUND).add_done_callback(
+            lambda written: self._completions.submit(done, written)
+        )
+
+    def _finish(
+        self,
+        entries: Sequence[CacheEntry],
+        placements: Sequence[Placement] | None,
+        error: BaseException | None,
+    ) -> None:
+        """On the completion thread: commit the new versions, then mark the entries clean."""
+        clean = [False] * len(entries)
+        if placements is not None:
+            try:
+                clean = self._on_written(entries, placements)
+            except BaseException as commit_error:
+                error = commit_error
+        with self.lock:
+            for entry, now_clean in zip(entries, clean, strict=True):
+                entry.writing = False
+                self._writebacks.discard(entry)
+                if error is not None:
+                    entry.writeback_error = error
+                else:
+                    self._counters["writebacks"] += 1
+                if now_clean:
+                    entry.dirty = False
+                self._release_if_unused(entry)
+            self.lock.notify_all()
+
+    # -- release ----------------------------------------------------------------------------------
+    def drop(self, key: str) -> None:
+        """Forget ``key``'s cached copy (deleted, or replaced by a copy only on a tier)."""
+        entry = self._index.get(key)
+        if entry is not None:
+            self._detach(entry)
+
+    def _detach(self, entry: CacheEntry) -> None:
+        self._index.detach(entry)
+        self._release_if_unused(entry)
+        self.lock.notify_all()
+
+    def _release_if_unused(self, entry: CacheEntry) -> None:
+        if entry.releasable:
+            self._pool.release(entry.buffer)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and byte figures (call with ``lock`` held)."""
+        return {
+            **self._counters,
+            "cache_budget_bytes": self._pool.capacity,
+            "cache_bytes": self._pool.allocated_bytes,
+            "peak_cache_bytes": self._peak_bytes,
+        }
+
+    def close(self) -> None:
+        """Wait for write-backs in flight, then release every buffer."""
+        with self.lock:
+            self._closed = True
+            self.lock.wait_for(lambda: not self._writebacks)
+            for entry in self._index:
+                self._index.detach(entry)
+                self._pool.release(entry.buffer)
+        self._completions.shutdown(wait=True)
+        self._pool.clear()

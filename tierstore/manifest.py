@@ -5,7 +5,10 @@ A manifest is a directory holding
 * ``manifest.json``: a full snapshot of the catalogue (written to a temporary file, fsynced,
   renamed over the old one, directory fsynced: it is either the old or the new snapshot);
 * ``journal.jsonl``: one JSON line per change since that snapshot, each appended and fsynced
-  before the change is acknowledged. A crash can tear only the last line, which replay ignores;
+  before the change is acknowledged. A crash can tear only the last line, which replay ignores.
+  Every :data:`COMPACT_AFTER` lines the journal is folded into a new snapshot and truncated; a
+  crash between the two steps replays the old journal over the new snapshot, which already holds
+  its changes, and ends in the same state;
 * ``lock``: an exclusive ``filelock`` held while a store has the manifest open, so a second
   process gets :class:`~tierstore.errors.StoreLockedError` instead of a silently forked catalogue.
 
@@ -32,7 +35,8 @@ from .errors import BackendIOError, StoreLockedError
 
 FORMAT = 1
 COMPACT_AFTER = 10_000
-"""Journal lines after which the next :meth:`Manifest.compact` is due."""
+"""Journal lines after which the manifest compacts itself, so a long-running store's journal (and
+the replay at the next open) stays bounded."""
 
 
 class Manifest:
@@ -64,12 +68,6 @@ class Manifest:
             raise
 
     # -- changes --------------------------------------------------------------------------------
-    def commit(self, key: str, entry: Mapping[str, Any]) -> None:
-        """Durably make ``entry`` the current version of ``key``."""
-        with self._mutex:
-            self._append({"op": "put", "key": key, "entry": dict(entry)})
-            self.entries[key] = dict(entry)
-
     def commit_many(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
         """Durably make each entry the current version of its key, with one sync for all (a pack
         of small objects): a crash may keep any prefix of them, each one whole."""
@@ -81,15 +79,12 @@ class Manifest:
                 self._lines += 1
             self._journal.flush()
             os.fdatasync(self._journal.fileno())
+            self._compact_if_due()
 
     def remove(self, key: str) -> None:
         with self._mutex:
             self._append({"op": "delete", "key": key})
             self.entries.pop(key, None)
-
-    @property
-    def compaction_due(self) -> bool:
-        return self._lines >= COMPACT_AFTER
 
     def compact(self, live_tokens: set[str]) -> None:
         """Fold the journal into a new snapshot; forget tokens no live object uses."""
@@ -126,6 +121,12 @@ class Manifest:
         self._journal.flush()
         os.fdatasync(self._journal.fileno())
         self._lines += 1
+        self._compact_if_due()
+
+    def _compact_if_due(self) -> None:
+        """Fold a long journal into the snapshot; every token an entry still uses stays."""
+        if self._lines >= COMPACT_AFTER:
+            self._compact({token_of(entry["name"]) for entry in self.entries.values()})
 
     def _replay(self) -> tuple[dict[str, dict[str, Any]], set[str], int]:
         """Entries, tokens and the number of journal lines replayed."""
@@ -168,6 +169,11 @@ class Manifest:
                     yield json.loads(line)
                 except ValueError:
                     raise BackendIOError(errno.EIO, f"journal {path}: line {number} is damaged") from None
+
+
+def token_of(name: str) -> str:
+    """The store session that generated a backend object name (``{token}-{n:x}``)."""
+    return name.split("-", 1)[0]
 
 
 def _open_journal(path: Path, *, truncate: bool) -> TextIO:

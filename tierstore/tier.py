@@ -28,11 +28,18 @@ from typing import Any, Literal
 import xxhash
 
 from . import placement as planner
-from ._futures import when_all
+from ._futures import when_all, with_failover
 from .backends import Backend, Location, open_backend
 from .bandwidth import Bandwidth, ProbeCache, ThroughputMeter, probe
 from .config import PathConfig, TierConfig
-from .errors import BackendIOError, ChecksumError, ConfigError, KeyNotFoundError, MissingDataError
+from .errors import (
+    BackendIOError,
+    CapacityError,
+    ChecksumError,
+    ConfigError,
+    KeyNotFoundError,
+    MissingDataError,
+)
 from .limits import Direction, NodeLimiter, PathScheduler, Priority
 from .placement import Extent
 
@@ -249,16 +256,17 @@ class Tier:
             raise ConfigError(f"tier {self.name!r} has {len(self.paths)} paths; use .paths")
         return self.paths[0].backend
 
-    def reserve(self, nbytes: int) -> bool:
-        """Claim ``nbytes`` of capacity; False if the tier is full."""
+    def _reserve(self, nbytes: int) -> None:
+        """Claim ``nbytes`` of capacity (given back by :meth:`discard` or a failed write)."""
         with self._lock:
             if self.capacity is not None and self.used_bytes + nbytes > self.capacity:
-                return False
+                raise CapacityError(
+                    f"tier {self.name!r} is full: {self.used_bytes} of {self.capacity} bytes used, "
+                    f"{nbytes} more needed"
+                )
             self.used_bytes += nbytes
-            return True
 
-    def release(self, nbytes: int) -> None:
-        """Give back capacity claimed by :meth:`reserve` for an object that was never written."""
+    def _release(self, nbytes: int) -> None:
         with self._lock:
             self.used_bytes -= nbytes
 
@@ -289,15 +297,21 @@ class Tier:
         return (Extent(chosen, 0, nbytes),)
 
     def write(self, name: str, data: memoryview, priority: Priority) -> Future[Placement]:
-        """Write a whole object (capacity already reserved); resolves to its placement.
+        """Write a whole object; resolves to its placement. Raises :class:`CapacityError` at once
+        if the tier has no room (the capacity is the tier's own: claimed here, given back by
+        :meth:`discard` or when the write fails).
 
         A path whose write fails with an I/O error (ENOSPC, EIO, EACCES, a vanished directory...)
         is excluded from new objects and the object is written again on the remaining paths; if
-        none remain, the error is raised and the capacity given back. Partial extents are deleted.
+        none remain, the error is raised. Partial extents are deleted.
         """
-        result: Future[Placement] = Future()
+        self._reserve(data.nbytes)
+        excluded = frozenset(self.failed_paths)
+        failed: frozenset[int] = frozenset()
 
-        def attempt(excluded: frozenset[int]) -> None:
+        def attempt() -> Future[Placement]:
+            nonlocal failed
+            failed = frozenset()
             extents = self.plan(data.nbytes, excluded)
             writes = [
                 self.paths[e.path].write(name, data[e.offset : e.offset + e.length], priority)
@@ -308,36 +322,38 @@ class Tier:
                 tuple(digest(data[e.offset : e.offset + e.length]) for e in extents) if self.checksums else ()
             )
 
-            def done(_: Future[None]) -> None:
+            def done() -> Placement:
+                nonlocal failed
                 failed = frozenset(
                     e.path for e, w in zip(extents, writes, strict=True) if w.exception() is not None
                 )
-                if not failed:
+                if failed:
+                    self._delete_extents(name, extents)
+                else:
                     self._count("bytes_written", data.nbytes)
-                    result.set_result(Placement(self, name, data.nbytes, extents, checksums))
-                    return
-                error = next(w.exception() for w in writes if w.exception() is not None)
-                self._delete_extents(name, extents)
-                left = set(range(len(self.paths))) - excluded - failed
-                if isinstance(error, OSError) and left and data.nbytes:
-                    with self._lock:
-                        self.failed_paths |= failed
-                    for index in failed:
-                        _log.warning(
-                            "tier %s: path %s failed (%s); excluded from new objects",
-                            self.name,
-                            self.paths[index].name,
-                            error,
-                        )
-                    attempt(excluded | failed)
-                    return
-                self.release(data.nbytes)
-                result.set_exception(error)
+                return Placement(self, name, data.nbytes, extents, checksums)
 
-            when_all(writes, lambda: None).add_done_callback(done)
+            return when_all(writes, done)
 
-        attempt(frozenset(self.failed_paths))
-        return result
+        def again(error: BaseException) -> bool:
+            nonlocal excluded
+            left = set(range(len(self.paths))) - excluded - failed
+            if failed and isinstance(error, OSError) and left and data.nbytes:
+                with self._lock:
+                    self.failed_paths |= failed
+                for index in failed:
+                    _log.warning(
+                        "tier %s: path %s failed (%s); excluded from new objects",
+                        self.name,
+                        self.paths[index].name,
+                        error,
+                    )
+                excluded |= failed
+                return True
+            self._release(data.nbytes)
+            return False
+
+        return with_failover(attempt, again)
 
     def unpack(self, pack: Placement, members: Sequence[tuple[int, int, str | None]]) -> list[Placement]:
         """Placements of the objects a written pack holds, from ``(offset, nbytes, checksum)`` each;
@@ -427,7 +443,7 @@ class Tier:
     def discard(self, placement: Placement) -> None:
         """Delete an object version from every path and give its capacity back (a packed object's
         pack goes once its last member is discarded)."""
-        self.release(placement.nbytes)
+        self._release(placement.nbytes)
         if placement.pack_offset is not None:
             with self._lock:
                 left = self._pack_members[placement.name] - 1
@@ -445,7 +461,8 @@ class Tier:
         pack_member: dict[str, Any] | None = None,
     ) -> Placement:
         """Rebuild a placement from :meth:`Placement.describe` (and :meth:`Placement.pack_member`)
-        output: a manifest entry."""
+        output, a manifest entry, claiming its capacity (:class:`CapacityError` if the tier is now
+        too small for what it holds)."""
         index = {path.name: i for i, path in enumerate(self.paths)}
         extents, checksums = [], []
         for extent in described:
@@ -457,6 +474,7 @@ class Tier:
             extents.append(Extent(index[extent["path"]], int(extent["offset"]), int(extent["length"])))
             if "checksum" in extent:
                 checksums.append(str(extent["checksum"]))
+        self._reserve(nbytes)
         if pack_member is None:
             return Placement(self, name, nbytes, tuple(extents), tuple(checksums))
         pack = Placement(self, name, sum(e.length for e in extents), tuple(extents))

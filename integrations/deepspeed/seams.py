@@ -67,7 +67,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from tierstore.activations import ActivationOffload
 from tierstore.optimizer.staging import FP32, SubGroupStager
 
-from tierstore.buffers import AlignedBuffer
+from tierstore.buffers import aligned_tensor
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError, UnsupportedVersionError
 from tierstore.store import TierStore
 
@@ -168,7 +168,7 @@ class TierStoreSwapper:
             cache_policy=section.cache_policy,
             reserved_bytes=FP32 * largest_numel,
         )
-        self.gradient = AlignedBuffer(FP32 * largest_numel).view(FP32 * largest_numel).view(torch.float32)
+        self.gradient = aligned_tensor(largest_numel)
         """The one fp32 gradient buffer sub-groups are converted into during the update."""
         self._parameters: dict[str, torch.Tensor] = {}
         self._numels: dict[str, int] = {}

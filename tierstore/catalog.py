@@ -1,0 +1,186 @@
+"""The commit protocol: which version of each key is current, and, in a persistent store, the
+manifest journal that makes it durable.
+
+Metadata commits only after the data it points to is complete: a new version is written under a
+fresh backend name first, journaled (fsynced) after, and only then is the version it replaces
+deleted, so a crash leaves each key at its old or its new version. A version still only in the
+write-back cache keeps the journaled one alive (``Record.journaled``) until it is written back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .cache import CacheEntry
+from .chain import TierChain
+from .errors import CapacityError, ConfigError, KeyNotFoundError
+from .manifest import Manifest, token_of
+from .tier import Placement
+
+
+@dataclass
+class Record:
+    """The current version of one key."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    persisted: Placement | None = None
+    """The copy on a tier (None while the version is only in the cache)."""
+    journaled: Placement | None = None
+    """Persistent stores: the version the manifest names while a newer one is only cached."""
+    scratch: bool = False
+    """Never journaled (see :meth:`TierStore.put`)."""
+
+
+class Catalog:
+    """Records by key, committed through the manifest when there is one."""
+
+    def __init__(self, chain: TierChain, lock: threading.Condition, manifest: Manifest | None) -> None:
+        self.chain = chain
+        self.lock = lock
+        self.manifest = manifest
+        self._records: dict[str, Record] = {}
+        if manifest is not None:
+            self._load(manifest)
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def get(self, key: str) -> Record | None:
+        return self._records.get(key)
+
+    def record(self, key: str) -> Record:
+        record = self._records.get(key)
+        if record is None:
+            raise KeyNotFoundError(f"no object with key {key!r}")
+        return record
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def keys(self) -> list[str]:
+        with self.lock:
+            return list(self._records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(list(self._records.values()))
+
+    # -- changes ----------------------------------------------------------------------------------
+    def commit(self, key: str, record: Record, attach: Callable[[], None]) -> None:
+        """Make ``record`` the current version of ``key``; ``attach`` runs in the same locked step
+        (the cache adopting the version's copy). The previous version is deleted, except that a
+        persistent store keeps the journaled one until a newer one is journaled."""
+        if record.persisted is not None:
+            self._journal({key: (record, record.persisted)})
+        if record.scratch and self.manifest is not None and key in self.manifest.entries:
+            self.manifest.remove(key)  # the journaled version it replaces is about to go
+        with self.lock:
+            previous = self._records.get(key)
+            self._records[key] = record
+            attach()
+        if previous is None:
+            return
+        keep = previous.journaled or previous.persisted
+        if self.manifest is not None and record.persisted is None and keep is not None:
+            record.journaled = keep
+        self.chain.discard({previous.persisted, previous.journaled} - {None, record.journaled})
+
+    def written(self, entries: Sequence[CacheEntry], placements: Sequence[Placement]) -> list[bool]:
+        """Commit write-backs still current (journaled together: one sync for a pack); versions
+        replaced or deleted meanwhile, and the ones the committed versions supersede, are garbage.
+        Returns which entries are now clean; on a journal failure discards every placement."""
+        with self.lock:
+            records = [self._records.get(entry.key) if entry.attached else None for entry in entries]
+        committed = {
+            entry.key: (record, placement)
+            for entry, record, placement in zip(entries, records, placements, strict=True)
+            if record is not None
+        }
+        garbage = [placement for record, placement in zip(records, placements, strict=True) if record is None]
+        try:
+            self._journal(committed)
+        except BaseException:
+            self.chain.discard(garbage + [placement for _, placement in committed.values()])
+            raise
+        with self.lock:
+            for record, placement in committed.values():
+                garbage.extend(p for p in (record.persisted, record.journaled) if p is not None)
+                record.persisted, record.journaled = placement, None
+        self.chain.discard(garbage)
+        return [record is not None for record in records]
+
+    def remove(self, key: str) -> Record:
+        """Forget ``key`` and delete its versions; returns its last record."""
+        with self.lock:
+            record = self.record(key)
+            del self._records[key]
+        if self.manifest is not None and key in self.manifest.entries:
+            self.manifest.remove(key)
+        self.chain.discard({record.persisted, record.journaled})
+        return record
+
+    def close(self) -> None:
+        """A scratch store deletes every version; a persistent one compacts its manifest."""
+        with self.lock:
+            placements = [record.persisted for record in self._records.values() if record.persisted]
+            self._records.clear()
+        if self.manifest is None:
+            self.chain.discard(placements)
+            return
+        self.manifest.compact({token_of(placement.name) for placement in placements})
+        self.manifest.close()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _journal(self, versions: dict[str, tuple[Record, Placement]]) -> None:
+        journaled = {key: version for key, version in versions.items() if not version[0].scratch}
+        if self.manifest is not None and journaled:
+            self.manifest.commit_many({key: _manifest_entry(*version) for key, version in journaled.items()})
+
+    def _load(self, manifest: Manifest) -> None:
+        """Load the manifest's records; delete tier objects an interrupted write left behind."""
+        tiers = [tier.name for tier in self.chain.tiers]
+        for key, entry in manifest.entries.items():
+            if entry["tier"] not in tiers:
+                raise ConfigError(
+                    f"manifest {manifest.directory}: key {key!r} lives on tier {entry['tier']!r}, which the "
+                    f"config does not have (tiers: {', '.join(tiers)})"
+                )
+            dtype = getattr(torch, entry["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(
+                    f"manifest {manifest.directory}: key {key!r} has unknown dtype {entry['dtype']!r}"
+                )
+            try:
+                placement = self.chain.adopt(entry["tier"], entry)
+            except CapacityError:
+                raise CapacityError(
+                    f"tier {entry['tier']!r} is too small for the objects its manifest lists"
+                ) from None
+            self._records[key] = Record(
+                tuple(entry["shape"]), dtype, int(entry["nbytes"]), persisted=placement
+            )
+        self.chain.collect(manifest.tokens, {entry["name"] for entry in manifest.entries.values()})
+
+
+def _manifest_entry(record: Record, placement: Placement) -> dict[str, Any]:
+    """A key's manifest entry; a packed object adds ``pack`` (its offset and checksum in the pack
+    object ``name``, whose extents are ``extents``), so older entries keep their meaning."""
+    entry = {
+        "shape": list(record.shape),
+        "dtype": str(record.dtype).removeprefix("torch."),
+        "nbytes": record.nbytes,
+        "tier": placement.tier.name,
+        "name": placement.name,
+        "extents": placement.describe(),
+    }
+    pack_member = placement.pack_member()
+    if pack_member is not None:
+        entry["pack"] = pack_member
+    return entry
