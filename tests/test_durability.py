@@ -277,6 +277,32 @@ def test_kill_9_at_random_moments_never_tears_an_object(tmp_path: Path) -> None:
     assert version > 40 and seen == 8  # the writer made real progress between kills
 
 
+def test_write_backs_journal_and_delete_off_the_io_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal sync or a stale copy's delete on a backend's I/O thread would stall its queue."""
+    threads: dict[str, set[str]] = {"sync": set(), "delete": set()}
+    sync, delete = os.fdatasync, NvmeBackend._delete
+
+    def recorded_sync(fd: int) -> None:
+        threads["sync"].add(threading.current_thread().name)
+        sync(fd)
+
+    def recorded_delete(backend: NvmeBackend, name: str) -> None:
+        threads["delete"].add(threading.current_thread().name)
+        delete(backend, name)
+
+    monkeypatch.setattr("tierstore.manifest.os.fdatasync", recorded_sync)
+    monkeypatch.setattr(NvmeBackend, "_delete", recorded_delete)
+    with TierStore.from_config(persistent(tmp_path)) as store:
+        for version in range(3):
+            store["x"] = torch.full((1000,), version)
+            store.flush()  # written back: journaled, and the previous version deleted
+        assert int(store["x"][0]) == 2
+    assert threads["sync"] and threads["delete"]
+    assert not any(name.startswith("tierstore-nvme") for name in threads["sync"] | threads["delete"]), threads
+
+
 def test_the_journal_stays_bounded_while_the_store_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
