@@ -219,6 +219,66 @@ def measure_fio(directory: Path, nbytes: int) -> dict[str, float]:
     return {"fio_write": write, "fio_read": read}
 
 
+def measure_update_bound(
+    directory: Path, *, read_bytes: int, write_bytes: int, files: int, request_bytes: int, in_flight: int
+) -> dict[str, float]:
+    """The device's limit for an update phase's I/O, replayed by fio: ``read_bytes`` read from
+    ``files`` files while ``write_bytes`` are written to as many others, both at once, O_DIRECT,
+    ``request_bytes`` per request and ``in_flight`` requests in flight in all (half each way).
+
+    The files to read are laid out first (not timed). Returns the seconds until both jobs are
+    done (the bound) and each direction's GB/s while they ran together."""
+    directory.mkdir(parents=True, exist_ok=True)
+    depth = max(1, in_flight // 2)
+    request_bytes = max(4096, request_bytes // 4096 * 4096)
+
+    def job(name: str, rw: str, total: int) -> list[str]:
+        per_file = max(request_bytes, -(-total // files) // request_bytes * request_bytes)
+        return [
+            f"--name={name}",
+            f"--rw={rw}",
+            f"--directory={directory}",
+            f"--filename_format={name}.$filenum",
+            f"--nrfiles={files}",
+            f"--filesize={per_file}",
+            f"--size={per_file * files}",
+            "--file_service_type=sequential",
+            f"--iodepth={depth}",
+        ]
+
+    common = ["fio", "--direct=1", "--ioengine=libaio", f"--bs={request_bytes}", "--output-format=json"]
+    try:
+        _fio(common + job("update-read", "write", read_bytes))  # lay out the files to read
+        os.sync()
+        report = _fio(
+            common + job("update-read", "read", read_bytes) + job("update-write", "write", write_bytes)
+        )
+    finally:
+        for path in directory.glob("update-*"):
+            path.unlink(missing_ok=True)
+    jobs = {job["jobname"]: job for job in report["jobs"]}
+    reading, writing = jobs["update-read"]["read"], jobs["update-write"]["write"]
+    seconds = max(reading["runtime"], writing["runtime"]) / 1e3
+    return {
+        "bound_s": round(seconds, 3),
+        "read_gb_per_s": round(reading["bw_bytes"] / 1e9, 3),
+        "write_gb_per_s": round(writing["bw_bytes"] / 1e9, 3),
+        "bytes_read": reading["io_bytes"],
+        "bytes_written": writing["io_bytes"],
+    }
+
+
+def _fio(command: list[str]) -> dict[str, Any]:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"fio failed ({done.returncode}): {' '.join(command)}\n{done.stderr}")
+    report: dict[str, Any] = json.loads(done.stdout[done.stdout.index("{") :])  # fio may print notes first
+    for job in report["jobs"]:
+        if job.get("error"):
+            raise RuntimeError(f"fio job {job['jobname']} error {job['error']}: {' '.join(command)}")
+    return report
+
+
 def fill_random(buffer: AlignedBuffer, nbytes: int, seed: int) -> None:
     """Fill the first ``nbytes`` with pseudo-random bytes in 1..255 (never zero).
 
