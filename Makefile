@@ -41,7 +41,7 @@ lint: $(VENV)/.test
 	ln -s $(CURDIR)/tests $(CURDIR)/benchmarks $(TYPED_TREE)/
 	for package in backends optimizer activations integrations; do \
 		ln -s $(CURDIR)/$$package $(TYPED_TREE)/tierstore/$$package; done
-	cd $(TYPED_TREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml tierstore tests benchmarks
+	cd $(TYPED_TREE) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml tierstore tests benchmarks
 
 # Benchmarks need fio, and DeepSpeed's baseline libaio-dev (Debian packages); run as root so they
 # can be installed and caches dropped. Never part of `make test`.

@@ -21,6 +21,13 @@ time (``tierstore.model.plan_pass`` on the bandwidths the store measured) over t
 
     .venv/bin/python benchmarks/bench_optimizer.py --output benchmarks/results/optimizer.json
 
+With ``--sizes`` it measures tierstore alone at each state size instead (state larger than RAM):
+seconds per GB moved, peak RSS against budget + model (bf16 parameters and gradients), and the
+page cache's growth, a fresh process per size::
+
+    .venv/bin/python benchmarks/bench_optimizer.py --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB \\
+        --output benchmarks/results/optimizer_scale.json
+
 Needs ``pip install deepspeed==0.19.8`` and Debian ``libaio-dev``; the first run JIT-builds
 DeepSpeed's ops (minutes; cached in TORCH_EXTENSIONS_DIR).
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -59,6 +67,7 @@ def geometry(args: argparse.Namespace) -> tuple[int, int]:
 
 def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     count, numel = geometry(args)
+    page_cache_before = page_cache_bytes()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel).to(torch.bfloat16)) for _ in range(count)]
     backend = open_backend({"type": "nvme", "path": str(directory / "tierstore")})
@@ -92,9 +101,20 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "numel": numel,
         "kept_in_dram": kept,
         "predicted_update_s": round(plan.predicted_seconds, 3),
+        "model_bytes": 2 * 2 * count * numel,  # bf16 parameters and their bf16 gradients
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "page_cache_growth_bytes": page_cache_bytes() - page_cache_before,
         "init_s": round(init_seconds, 3),
         "steps": steps,
     }
+
+
+def page_cache_bytes() -> int:
+    """The kernel's page cache (``Cached`` in /proc/meminfo): O_DIRECT I/O must not grow it."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Cached:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no Cached line")
 
 
 def free_port() -> int:
@@ -311,6 +331,50 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     }
 
 
+def scale(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    """State larger than RAM: tierstore alone at each of ``--sizes`` with one budget, a fresh
+    process each; cost per GB moved and peak RSS against budget + model, per size."""
+    started = time.perf_counter()
+    sizes = []
+    for state in args.sizes:
+        log(f"state {state / 2**30:.0f} GiB ...")
+        result = child("tierstore", argparse.Namespace(**{**vars(args), "state": state}), directory)
+        moved = steady(result, "bytes_read") + steady(result, "bytes_written")
+        limit = args.budget + result["model_bytes"]
+        sizes.append(
+            {
+                "state_bytes": state,
+                "update_s": steady(result, "update_s"),
+                "bytes_moved": moved,
+                "s_per_gb": round(steady(result, "update_s") / (moved / 1e9), 4),
+                "peak_rss_bytes": result["peak_rss_bytes"],
+                "budget_plus_model_bytes": limit,
+                "peak_rss_over_budget_plus_model": round(result["peak_rss_bytes"] / limit, 3),
+                "page_cache_growth_bytes": result["page_cache_growth_bytes"],
+                "predicted_over_measured": round(
+                    result["predicted_update_s"] / steady(result, "update_s"), 3
+                ),
+                "run": result,
+            }
+        )
+    per_gb = [size["s_per_gb"] for size in sizes]
+    return {
+        "benchmark": "optimizer_state_scale",
+        "metadata": {
+            **metadata(directory, dram_budget_bytes=args.budget, subgroup_numel=args.numel, steps=args.steps),
+            "elapsed_s": round(time.perf_counter() - started, 1),
+        },
+        "sizes": sizes,
+        "summary": {
+            "s_per_gb_spread": round(max(per_gb) / min(per_gb) - 1, 3),
+            "worst_peak_rss_over_budget_plus_model": max(
+                size["peak_rss_over_budget_plus_model"] for size in sizes
+            ),
+            "targets": {"s_per_gb_spread": "<= 0.10", "worst_peak_rss_over_budget_plus_model": "<= 1.10"},
+        },
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
@@ -320,12 +384,20 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=32 << 20, help="elements per sub-group")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of each side")
+    parser.add_argument(
+        "--sizes",
+        type=lambda text: [parse_size(size) for size in text.split(",")],
+        default=None,
+        help="state sizes, e.g. 1GiB,4GiB,16GiB,32GiB: tierstore alone at each (state larger than RAM)",
+    )
     parser.add_argument("--side", choices=["tierstore", "deepspeed"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:
         side = tierstore_side if args.side == "tierstore" else deepspeed_side
         print(json.dumps(side(args, args.dir)))
         return 0
+    if args.sizes is not None:
+        return run_benchmark(scale, args, prefix="optimizer-scale-")
     return run_benchmark(run, args, prefix="optimizer-")
 
 
