@@ -95,7 +95,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         offload = None
         if args.variant.startswith("tierstore-"):
             plan = args.variant.removeprefix("tierstore-")
-            offload = ActivationOffload(store, budget=args.budget, min_bytes=args.min_bytes, plan=plan)  # type: ignore[arg-type]
+            offload = ActivationOffload(store, budget=args.budget, min_bytes=args.min_bytes, plan=plan)
         for step in range(args.steps):
             tokens, targets = batch_of(corpus, step, args.batch, args.length)
             model.zero_grad(set_to_none=True)
@@ -104,7 +104,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             with offload if offload is not None else meter.hooks():
                 loss = model(tokens, targets)
             forward = time.perf_counter()
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()
             finished = time.perf_counter()
             row: dict[str, Any] = {
                 "step": step + 1,

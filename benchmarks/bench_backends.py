@@ -62,12 +62,13 @@ WARMUP_BYTES = 16 << 20
 
 def backend_spec(name: str, directory: Path) -> str | dict[str, str]:
     path = str(directory / name)
-    return {
+    specs: dict[str, str | dict[str, str]] = {
         "dram": "dram://",
         "nvme": {"type": "nvme", "path": path},
         "zarr": {"type": "zarr", "url": path},
         "adios2": {"type": "adios2", "path": path},
-    }[name]
+    }
+    return specs[name]
 
 
 def parse_backends(text: str) -> list[str]:
@@ -130,7 +131,14 @@ def rounded(value: float | None) -> float | None:
 
 
 def median(values: list[float | None]) -> float | None:
-    return None if None in values else rounded(statistics.median(values))
+    known = [value for value in values if value is not None]
+    return None if len(known) < len(values) else rounded(statistics.median(known))
+
+
+def fio_ratio(value: float | None, reference: float | None) -> float | None:
+    """``value / reference``, both medians every run has (fio's, and a disk backend's)."""
+    assert value is not None and reference is not None, "a disk backend or fio lacks a figure"
+    return rounded(value / reference)
 
 
 def bench_size(backends: dict[str, Backend], directory: Path, nbytes: int, repeats: int) -> dict[str, Any]:
@@ -163,13 +171,13 @@ def bench_size(backends: dict[str, Backend], directory: Path, nbytes: int, repea
         tool: {key: median([run["gbps"][tool][key] for run in runs]) for key in figures}
         for tool, figures in runs[0]["gbps"].items()
     }
-    fio = {
+    versus = {
         "write": medians["fio"]["write"],
         "write_durable": medians["fio"]["write"],
         "read": medians["fio"]["read"],
     }  # what each figure of a disk backend is compared with
     ratios = {
-        tool: {key: rounded(medians[tool][key] / fio[key]) for key in FIGURES}
+        tool: {key: fio_ratio(medians[tool][key], versus[key]) for key in FIGURES}
         for tool in backends
         if backends[tool].capabilities.persistent
     }

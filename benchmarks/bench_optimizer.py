@@ -164,7 +164,7 @@ def deepspeed_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     masters = []
     for index in range(count):
         tensor = torch.empty(0, dtype=torch.float32)
-        tensor.ds_id = f"{index}_{index}"
+        tensor.ds_id = f"{index}_{index}"  # type: ignore[attr-defined]  # DeepSpeed's tag, not torch's
         tensor.requires_grad = True
         masters.append(tensor)
     following = [*masters[1:], None]

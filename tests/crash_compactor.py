@@ -13,7 +13,8 @@ import json
 import os
 import signal
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -29,19 +30,19 @@ def main() -> None:
     config, step = json.loads(sys.argv[1]), sys.argv[2]
     manifest.COMPACT_AFTER = 20
     if step == "snapshot-written":
-        os.replace = lambda *_: die()  # type: ignore[assignment]
+        os.replace = lambda *_: die()
     elif step == "snapshot-renamed":
         manifest._fsync_directory = lambda _: die()  # type: ignore[assignment]
     else:
         open_journal = manifest._open_journal
 
-        def open_then_die(path: Any, *, truncate: bool) -> Any:
+        def open_then_die(path: Path, *, truncate: bool) -> TextIO:
             journal = open_journal(path, truncate=truncate)
             if truncate:
                 die()
             return journal
 
-        manifest._open_journal = open_then_die  # type: ignore[assignment]
+        manifest._open_journal = open_then_die
     with TierStore.from_config(config) as store:
         for version in range(1000):
             key = f"k{version % 8}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
 
 from tierstore import ConfigError, Tier, TierStore
-from tierstore.testing.gpt import GPT
+from tierstore.testing.gpt import GPT, Block
 
 LENGTH = 32
 KIB = 1024
@@ -24,9 +25,21 @@ def store(tmp_path: Path) -> Iterator[TierStore]:
         yield opened
 
 
-def make_model(dtype: torch.dtype = torch.float32, **options: object) -> GPT:
+class ModelOptions(TypedDict, total=False):
+    checkpointed: frozenset[int]
+    reentrant: bool
+
+
+def make_model(dtype: torch.dtype = torch.float32, **options: Unpack[ModelOptions]) -> GPT:
     torch.manual_seed(0)
-    return GPT(vocab=64, width=64, layers=3, heads=4, length=LENGTH, **options).to(dtype)  # type: ignore[arg-type]
+    return GPT(vocab=64, width=64, layers=3, heads=4, length=LENGTH, **options).to(dtype)
+
+
+def up_weight(model: GPT, index: int) -> torch.Tensor:
+    """The weight of block ``index``'s first MLP linear."""
+    block = model.blocks[index]
+    assert isinstance(block, Block)
+    return block.up.weight
 
 
 def batch(step: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +90,7 @@ def test_gradients_bit_identical_with_offload(store: TierStore, plan: str, dtype
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradients_bit_identical_with_checkpointed_blocks(store: TierStore, reentrant: bool) -> None:
-    options = {"checkpointed": frozenset({0, 2}), "reentrant": reentrant}
+    options: ModelOptions = {"checkpointed": frozenset({0, 2}), "reentrant": reentrant}
     expected = train_grads(make_model(**options), None)
     offload = ActivationOffload(store, budget="1MiB", min_bytes="16KiB", plan="all")
     got = train_grads(make_model(**options), offload)
@@ -112,10 +125,11 @@ def test_one_storage_saved_twice_is_spilled_once(store: TierStore) -> None:
     with offload:
         hidden = x * 2
         loss = (hidden @ w1).sum() + (hidden @ w2).sum() + (hidden * hidden).sum()
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
     expected = x.grad.clone()  # type: ignore[union-attr]
     x.grad = None
-    (((x * 2) @ w1).sum() + ((x * 2) @ w2).sum() + ((x * 2) * (x * 2)).sum()).backward()
+    recomputed = ((x * 2) @ w1).sum() + ((x * 2) @ w2).sum() + ((x * 2) * (x * 2)).sum()
+    recomputed.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
     assert torch.equal(expected, x.grad)  # type: ignore[arg-type]
     stats = offload.stats()
     assert stats["deduplicated_bytes"] >= 3 * hidden.nbytes
@@ -144,7 +158,7 @@ def test_a_failed_backward_leaks_neither_memory_nor_objects(store: TierStore) ->
 
     with offload:
         loss = model(tokens, targets)
-        model.blocks[1].up.weight.register_hook(explode)
+        up_weight(model, 1).register_hook(explode)  # type: ignore[no-untyped-call]  # unannotated in torch
     with pytest.raises(ValueError, match="boom"):
         loss.backward()
     del loss
@@ -160,7 +174,7 @@ def test_the_next_step_frees_what_a_failed_backward_held(store: TierStore) -> No
     model = make_model()
     offload = ActivationOffload(store, budget="1MiB", min_bytes="16KiB", plan="all")
     tokens, targets = batch(0)
-    hook = model.blocks[1].up.weight.register_hook(lambda grad: 1 / 0)
+    hook = up_weight(model, 1).register_hook(lambda grad: 1 / 0)  # type: ignore[no-untyped-call]  # as above
     with offload:
         loss = model(tokens, targets)
     with pytest.raises(ZeroDivisionError):
@@ -201,7 +215,7 @@ def test_in_place_change_after_save_fails_backward_as_autograd_does(
             with offload:
                 out = hidden.sin()  # saves hidden
         hidden.add_(1)
-        out.sum().backward()
+        out.sum().backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run(None)

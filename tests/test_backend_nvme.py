@@ -54,7 +54,7 @@ def _refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(nvme.os, "open", fake_open)
+    monkeypatch.setattr(os, "open", fake_open)  # the module nvme opens its files through
 
 
 def test_falls_back_to_buffered_io_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ import pytest
 import zarr
 from tierstore.backends import Backend, open_backend
 from tierstore.backends.zarr import ZarrBackend
+from zarr.abc.store import Store
 from zarr.storage import LocalStore
 
 from tierstore.testing import BackendTests
@@ -12,7 +13,13 @@ from tierstore.testing import BackendTests
 SMALL_CHUNKS = "chunk_bytes=65536&queue_depth=4"
 
 
-def _raw_set(store: zarr.abc.store.Store, name: str, data: bytes) -> None:
+def _raw_get(store: Store, name: str) -> bytes:
+    data = zarr.open_array(store, path=name, mode="r")[:]
+    assert isinstance(data, np.ndarray)  # a slice of a 1-d array, never a scalar
+    return data.tobytes()
+
+
+def _raw_set(store: Store, name: str, data: bytes) -> None:
     array = zarr.create_array(store, name=name, shape=(len(data),), chunks=(65536,), dtype="uint8")
     if data:
         array[:] = np.frombuffer(data, np.uint8)
@@ -26,7 +33,7 @@ class TestZarrLocalBackend(BackendTests):
 
     def raw_get(self, backend: Backend, name: str) -> bytes:
         assert isinstance(backend, ZarrBackend) and backend.local_root is not None
-        return zarr.open_array(LocalStore(backend.local_root), path=name, mode="r")[:].tobytes()
+        return _raw_get(LocalStore(backend.local_root), name)
 
     def raw_set(self, backend: Backend, name: str, data: bytes) -> None:
         assert isinstance(backend, ZarrBackend) and backend.local_root is not None
@@ -48,7 +55,7 @@ class TestZarrMemoryBackend(BackendTests):
 
     def raw_get(self, backend: Backend, name: str) -> bytes:
         assert isinstance(backend, ZarrBackend)
-        return zarr.open_array(backend.store, path=name, mode="r")[:].tobytes()
+        return _raw_get(backend.store, name)
 
     def raw_set(self, backend: Backend, name: str, data: bytes) -> None:
         assert isinstance(backend, ZarrBackend)

@@ -105,7 +105,8 @@ def test_invalid_configs_name_the_field(config: dict[str, object], message: str)
         TierStore.from_config(config)
 
 
-BOOLEAN_NUMBERS = {  # pydantic alone reads true as 1: one byte, one thread, one request...
+# pydantic alone reads true as 1: one byte, one thread, one request...
+BOOLEAN_NUMBERS: dict[str, dict[str, object]] = {
     "cache.budget": {"cache": {"budget": True}},
     "workers": {"workers": True},
     "tiers.0.capacity": {"tiers": [{"name": "a", "backend": "dram://", "capacity": True}]},
@@ -126,7 +127,7 @@ BOOLEAN_NUMBERS = {  # pydantic alone reads true as 1: one byte, one thread, one
 
 @pytest.mark.parametrize("field", list(BOOLEAN_NUMBERS))
 def test_a_boolean_is_never_a_size_or_count(field: str) -> None:
-    config = {"tiers": [{"name": "a", "backend": "dram://"}], **BOOLEAN_NUMBERS[field]}
+    config: dict[str, object] = {"tiers": [{"name": "a", "backend": "dram://"}], **BOOLEAN_NUMBERS[field]}
     with pytest.raises(ConfigError, match=re.escape(field) + ": .*not the boolean"):
         TierStore.from_config(config)
 

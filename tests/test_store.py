@@ -1,6 +1,7 @@
 """TierStore behaviour over each persistent tier kind (DRAM backend and NVMe backend)."""
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def test_non_contiguous_input(make_store: StoreFactory) -> None:
         assert torch.equal(store[key], view)
 
 
-LAZY_VIEWS = {  # dtype of the base, and the view: memory unchanged behind a conjugate or negative bit
+# dtype of the base, and the view: memory unchanged behind a conjugate or negative bit
+LAZY_VIEWS: dict[str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]] = {
     "conj": (torch.complex64, lambda t: t.conj()),
     "conj of a transpose": (torch.complex64, lambda t: t.t().conj()),
     "imag of a conj (negative)": (torch.complex128, lambda t: t.conj().imag),
@@ -255,10 +257,12 @@ def test_closed_store(make_store: StoreFactory) -> None:
     store["x"] = torch.ones(10)
     store.close()
     assert all(tier.backend.closed for tier in store.tiers)
+    call: Callable[[], object]
     for call in (lambda: store.put("y", torch.ones(1)), lambda: store.get("x"), store.flush):
         with pytest.raises(StoreClosedError):
             call()
-    every_other_call = {  # not KeyNotFoundError, an empty key list or False: the store is closed
+    # not KeyNotFoundError, an empty key list or False: the store is closed
+    every_other_call: dict[str, Callable[[], object]] = {
         "info": lambda: store.info("x"),
         "keys": store.keys,
         "contains": lambda: store.contains("x"),
@@ -313,7 +317,7 @@ def test_the_empty_budget_and_a_budget_of_several_gigabytes_are_fine() -> None:
             assert torch.equal(store["x"], torch.ones(3))
 
 
-UNSTORABLE = {
+UNSTORABLE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
     "meta": (lambda: torch.empty(3, device="meta"), "meta tensors have no data"),
     "quantized": (
         lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
