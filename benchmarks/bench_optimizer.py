@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyspy_breakdown
 import torch
 from common import log, measure_update_bound, metadata, parse_size, run_benchmark
 from tierstore.backends import open_backend
@@ -237,27 +238,33 @@ def steady(side: dict[str, Any], field: str) -> float:
     return float(statistics.median(values))
 
 
+def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[str]:
+    return [
+        sys.executable,
+        __file__,
+        f"--side={side}",
+        f"--dir={directory}",
+        f"--state={args.state}",
+        f"--budget={args.budget}",
+        f"--numel={args.numel}",
+        f"--steps={args.steps}",
+    ]
+
+
 def child(side: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """One side in a fresh process: each has the machine and its page cache to itself."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            f"--side={side}",
-            f"--dir={directory}",
-            f"--state={args.state}",
-            f"--budget={args.budget}",
-            f"--numel={args.numel}",
-            f"--steps={args.steps}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = subprocess.run(child_command(side, args, directory), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{side} side failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def profiled(args: argparse.Namespace, directory: Path) -> dict[str, dict[str, float]]:
+    """An extra tierstore run under py-spy (not timed: sampling slows it a little)."""
+    samples = directory / "pyspy.txt"
+    pyspy_breakdown.record(child_command("tierstore", args, directory), samples)
+    return pyspy_breakdown.breakdown(samples)
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -289,6 +296,9 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 in_flight=NVME_QUEUE_DEPTH,
             )
         )
+    if args.profile:
+        log("tierstore under py-spy ...")
+        runs["profile"] = profiled(args, directory)  # type: ignore[assignment]  # a breakdown, not a run
     update = {side: [steady(r, "update_s") for r in runs[side]] for side in ("tierstore", "deepspeed")}
     bound = [b["bound_s"] for b in runs["device_bound"]]
     over_bound = [u / b for u, b in zip(update["tierstore"], bound, strict=True)]
@@ -384,6 +394,7 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=32 << 20, help="elements per sub-group")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of each side")
+    parser.add_argument("--profile", action="store_true", help="add a py-spy breakdown of a tierstore run")
     parser.add_argument(
         "--sizes",
         type=lambda text: [parse_size(size) for size in text.split(",")],

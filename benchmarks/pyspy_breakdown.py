@@ -1,0 +1,93 @@
+"""Where an update phase's time goes: py-spy samples of a benchmark child, sorted into categories.
+
+py-spy (``pip install py-spy``) samples every thread's Python stack ``RATE`` times a second,
+idle ones included (``--idle``), with thread names. Each sample is put in the first category whose
+rule matches a frame, innermost frame first; the seconds per category are samples / rate, per
+thread group (the caller's main thread, the nvme backend's I/O workers, the store's workers...).
+A main-thread sample in ``waiting`` is the update waiting on I/O or a hand-off.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+RATE = 100
+CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
+    ("checksums", re.compile(r"^(digest|xxh3\w*) ")),
+    ("adam kernel", re.compile(r"^(\w+\._update|_update) \(.*(adamw|apollo)\.py")),
+    ("gradient conversion", re.compile(r"^(\w+\.)?_gradients \(")),
+    ("copies", re.compile(r"^(_copy|\w+\._copy_to_model|\w+\._write_back_pack) \(")),
+    (
+        "device I/O",
+        re.compile(r"^(_pwrite_all|_pread_all|\w+\._direct_head|\w+\._write_chunk|\w+\._read_chunk) \("),
+    ),
+    (
+        "waiting",
+        re.compile(r"^(\w+\.)?(wait|result|acquire|_wait_for_room|get|_worker|_take_blocking|wait_for) \("),
+    ),
+]
+"""(category, rule on one frame ``function (file:line)``), tried in order on each frame."""
+
+
+def record(command: list[str], output: Path) -> None:
+    """Run ``command`` under py-spy, writing raw samples to ``output``."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("py-spy is not installed: pip install py-spy")
+    done = subprocess.run(
+        [
+            spy,
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            str(RATE),
+            "--threads",
+            "--idle",
+            "--nonblocking",
+            "-o",
+            str(output),
+            "--",
+            *command,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"py-spy failed ({done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def breakdown(raw: Path) -> dict[str, dict[str, float]]:
+    """Seconds per category per thread group, from py-spy's raw output."""
+    seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        thread = frames[0].partition(": ")[2]
+        seconds[_group(thread)][_category(frames[1:])] += int(count) / RATE
+    return {group: {k: round(v, 2) for k, v in sorted(c.items())} for group, c in sorted(seconds.items())}
+
+
+def _group(thread: str) -> str:
+    if thread.startswith("MainThread"):
+        return "main"
+    if thread.startswith("tierstore-nvme"):
+        return "nvme I/O workers"
+    if thread.startswith("tierstore-commit"):
+        return "write-back completions"
+    if thread.startswith("tierstore"):
+        return "store workers"
+    return "other"
+
+
+def _category(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for category, rule in CATEGORIES:
+            if rule.search(frame):
+                return category
+    return "python and other" if frames else "idle"
