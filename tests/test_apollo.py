@@ -29,7 +29,7 @@ def reference_optimizer() -> Any:
     spec = importlib.util.find_spec("apollo_torch")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("apollo-torch is not installed (make test installs it with --no-deps)")
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     if "_apollo_reference.apollo" not in sys.modules:
         stubs = {}
         if importlib.util.find_spec("transformers") is None:
@@ -129,9 +129,7 @@ def test_matches_apollo_torch(tmp_path: Path, kind: str, projection: dict[str, A
 
 
 @pytest.mark.parametrize("projection", [MINI, RANK4_CHANNEL], ids=["mini", "rank4-channel"])
-def test_clipping_and_loss_scaling_with_an_overflow_skipped(
-    tmp_path: Path, projection: dict[str, Any]
-) -> None:
+def test_clipping_and_loss_scaling_skip_an_overflow(tmp_path: Path, projection: dict[str, Any]) -> None:
     with make_store(tmp_path, "dram") as store:
         optimizer, reference = run_pair(
             store, projection, max_grad_norm=1.0, grad_scale=1024.0, overflow_at=7, sub_group_size=2000
