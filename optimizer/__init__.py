@@ -5,11 +5,12 @@ AdamW and APOLLO share one staging engine. Both are usable on their own with a p
 """
 
 from .adamw import OffloadedAdamW
-from .apollo import OffloadedAPOLLO
+from .apollo import APOLLO_MINI, OffloadedAPOLLO
 from .engine import StagedOptimizer
 from .partition import Piece, SubGroup, partition, partition_whole
 
 __all__ = [
+    "APOLLO_MINI",
     "OffloadedAPOLLO",
     "OffloadedAdamW",
     "Piece",

@@ -40,6 +40,16 @@ PROJECTION_DEFAULTS: dict[str, Any] = {
 }
 """What a group with ``rank`` gets for the keys it leaves out (``apollo_torch`` requires them all)."""
 
+APOLLO_MINI: dict[str, Any] = {
+    "rank": 1,
+    "proj": "random",
+    "scale_type": "tensor",
+    "scale": 128.0,
+    "update_proj_gap": 200,
+    "proj_type": "std",
+}
+"""APOLLO-Mini's group keys, as the paper and ``apollo_torch``'s README give them."""
+
 SEED_ADVANCE = 0xF
 """``apollo_torch``'s ``next_seed``: the last of this many draws seeds the next projection."""
 
