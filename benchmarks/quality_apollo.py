@@ -80,7 +80,8 @@ def main() -> int:
     parser.add_argument("--plot", type=Path, required=True)
     args = parser.parse_args()
     corpus = byte_corpus()
-    with tempfile.TemporaryDirectory(dir=".") as directory:
+    Path("bench-data").mkdir(exist_ok=True)  # the benchmarks' (git-ignored) data directory
+    with tempfile.TemporaryDirectory(dir="bench-data") as directory:
         runs = {name: train(name, args, corpus, Path(directory)) for name in ("adamw", "apollo-mini")}
     ratio = runs["apollo-mini"]["final_loss"] / runs["adamw"]["final_loss"]
     document = {

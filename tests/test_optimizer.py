@@ -491,3 +491,25 @@ def test_bad_parameter_group_hyperparameters_name_the_group(tmp_path: Path) -> N
         ]
         with pytest.raises(ConfigError, match=r"^param_groups\.1\.lr: "):
             OffloadedAdamW(groups, store)
+
+
+def test_a_pooled_subgroup_grows_into_a_larger_buffer_keeping_its_values(tmp_path: Path) -> None:
+    """The DeepSpeed swapper's first step: a sub-group read as master weights only, resized once the
+    optimizer has created its moments; a kept (pool) buffer of the old size must not lose them."""
+    from tierstore.optimizer.staging import SubGroupStager
+
+    with make_store(tmp_path, "dram") as store:
+        stager = SubGroupStager(store, "grow", slot_elements=3 * 4096, dram_budget=1 << 20)
+        stager.write("a", 4096, lambda state: state.copy_(torch.arange(4096.0)))
+        stager.wait_writes()
+        for _ in range(2):  # the second pass finds it kept, in a pool buffer of 4096 values
+            stager.begin_pass(["a"], {"a": 4096})
+            state = stager.acquire("a")
+            grown = stager.resize("a", 3 * 4096)
+            assert torch.equal(grown[:4096], torch.arange(4096.0))
+            grown[4096:].fill_(7.0)
+            stager.release("a")
+            stager.end_pass()
+            assert "a" in stager.resident
+            assert torch.equal(stager.read("a")[4096:], torch.full((2 * 4096,), 7.0))
+            del state
