@@ -19,8 +19,11 @@ $(VENV)/.runtime: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -e .
 	touch $@
 
+# apollo-torch is the tests' oracle for OffloadedAPOLLO, not a dependency (CC-BY-NC; it requires
+# transformers and bitsandbytes for optimizers the tests never load): no deps, pinned.
 $(VENV)/.test: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps 'apollo-torch==1.0.3'
 	touch $@
 
 demo: $(VENV)/.runtime

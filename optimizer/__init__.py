@@ -1,10 +1,21 @@
-"""Offloaded ZeRO-3 optimizer: fp32 sub-group state staged through a TierStore.
+"""Offloaded ZeRO-3 optimizers: fp32 sub-group state staged through a TierStore.
 
-Usable on its own with a plain PyTorch model (single process); the DeepSpeed integration plugs the
-same optimizer in.
+AdamW and APOLLO share one staging engine. Both are usable on their own with a plain PyTorch model
+(single process); the DeepSpeed integration plugs the AdamW path in.
 """
 
 from .adamw import OffloadedAdamW
-from .partition import Piece, SubGroup, partition
+from .apollo import APOLLO_MINI, OffloadedAPOLLO
+from .engine import StagedOptimizer
+from .partition import Piece, SubGroup, partition, partition_whole
 
-__all__ = ["OffloadedAdamW", "Piece", "SubGroup", "partition"]
+__all__ = [
+    "APOLLO_MINI",
+    "OffloadedAPOLLO",
+    "OffloadedAdamW",
+    "Piece",
+    "StagedOptimizer",
+    "SubGroup",
+    "partition",
+    "partition_whole",
+]

@@ -53,3 +53,24 @@ def partition(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) 
         if pieces:
             subgroups.append(SubGroup(len(subgroups), group, filled, tuple(pieces)))
     return subgroups
+
+
+def partition_whole(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) -> list[SubGroup]:
+    """As :func:`partition`, but a parameter is never cut: it joins the current sub-group while that
+    stays within ``sub_group_size``, else starts the next one (alone, if it is larger). For
+    optimizers that need whole matrices (APOLLO projects each one)."""
+    if sub_group_size < 1:
+        raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
+    subgroups: list[SubGroup] = []
+    for group, params in enumerate(groups):
+        pieces: list[Piece] = []
+        filled = 0
+        for param, numel in params:
+            if pieces and filled + numel > sub_group_size:
+                subgroups.append(SubGroup(len(subgroups), group, filled, tuple(pieces)))
+                pieces, filled = [], 0
+            pieces.append(Piece(param, 0, filled, numel))
+            filled += numel
+        if pieces:
+            subgroups.append(SubGroup(len(subgroups), group, filled, tuple(pieces)))
+    return subgroups

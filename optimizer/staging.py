@@ -11,8 +11,11 @@ and written after it. The stager owns the buffers and the policies that make tha
   reversed pass starts with them), chosen by the I/O model, the static last-K rule, or none;
   a kept sub-group skips its write now and its read next pass.
 
-The DRAM it holds is bounded up front: ``prefetch_depth`` buffers plus as many spare ones as the
-budget allows, each the size of the largest sub-group. Nothing else is allocated per step.
+The DRAM it holds is bounded up front: ``prefetch_depth`` ring buffers the size of the largest
+sub-group (the working set), and a :class:`~tierstore.buffers.BufferPool` over the rest of the
+budget that holds kept sub-groups at their own size (so sub-groups of uneven size, APOLLO's whole
+parameters say, are kept by bytes, not by count) and lends the ring extra buffers while it has room.
+The optimizer's state layout is its own: the stager sees only a named fp32 object per sub-group.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from ..buffers import aligned_tensor
+from ..buffers import AlignedBuffer, BufferPool, aligned_tensor, round_up
 from ..errors import CapacityError, ConfigError
 from ..model import PathSpeed, plan_pass
 from ..store import TierStore
@@ -59,7 +62,9 @@ class SubGroupStager:
         self.prefetch_depth = prefetch_depth
         self.cache_policy = cache_policy
         self.slot_bytes = FP32 * max(slot_elements, 1)
-        working = prefetch_depth * self.slot_bytes + reserved_bytes
+        self.working_bytes = prefetch_depth * self.slot_bytes + reserved_bytes
+        """DRAM a pass needs whatever it keeps: the ring and the caller's own (gradient) buffer."""
+        working = self.working_bytes
         self.dram_budget = working if dram_budget is None else dram_budget
         if self.dram_budget < working:
             raise CapacityError(
@@ -69,17 +74,29 @@ class SubGroupStager:
             )
         reservation = store.memory.reserve(f"optimizer {namespace}", self.dram_budget)
         weakref.finalize(self, store.memory.release, reservation)
-        spare = (self.dram_budget - working) // self.slot_bytes
-        self.buffers = [aligned_tensor(max(slot_elements, 1)) for _ in range(prefetch_depth + spare)]
+        self.buffers = [aligned_tensor(self.slot_bytes // FP32) for _ in range(prefetch_depth)]
+        """The read-ahead ring: each buffer holds the largest sub-group."""
+        self.pool = BufferPool(round_up(self.dram_budget - working), pin=False)
+        """The rest of the budget (page-rounded, as every buffer is): kept sub-groups at their own
+        size, and extra buffers for the ring while it has room."""
+        self._pooled: dict[int, AlignedBuffer] = {}
+        """Pool buffers handed out, by the address of their fp32 view."""
         self._free: list[torch.Tensor] = list(self.buffers)
         self._sizes: dict[Hashable, int] = {}
         self.resident: dict[Hashable, torch.Tensor] = {}
         """Sub-groups kept in DRAM between passes (their store copy is stale)."""
         self._held: dict[Hashable, torch.Tensor] = {}
+        self._outgrown: dict[Hashable, list[torch.Tensor]] = {}
+        """Buffers a held sub-group was resized out of, given back at its release."""
         self._reads: dict[Hashable, tuple[torch.Tensor, Future[torch.Tensor]]] = {}
         self._writes: deque[tuple[Future[None], torch.Tensor]] = deque()
         self._upcoming: deque[Hashable] = deque()
         self._keep: set[Hashable] = set()
+
+    @property
+    def kept_bytes(self) -> int:
+        """DRAM the pool holds now (kept sub-groups and buffers lent to the ring)."""
+        return self.pool.allocated_bytes
 
     # -- a pass ---------------------------------------------------------------------------------
     def begin_pass(self, order: Sequence[Hashable], sizes: Mapping[Hashable, int]) -> None:
@@ -104,30 +121,40 @@ class SubGroupStager:
         else:
             if name in self._upcoming:
                 self._upcoming.remove(name)
-            buffer = self._take_free()
+            buffer = self._take_blocking(name)
             try:
                 self._read(name, buffer).result()
             except BaseException:
-                self._free.append(buffer)
+                self._give_back(buffer)
                 raise
         self._held[name] = buffer
         return buffer[: self._sizes[name]]
 
     def resize(self, name: Hashable, elements: int) -> torch.Tensor:
         """An acquired sub-group's state grown or shrunk to ``elements`` (its layout changed, e.g. an
-        optimizer created its moments during the first step)."""
+        optimizer created its moments during the first step); its values so far are kept."""
         if FP32 * elements > self.slot_bytes:
             raise CapacityError(f"{name}: {elements} fp32 values do not fit a {self.slot_bytes}-byte buffer")
+        buffer = self._held[name]
+        if buffer.numel() < elements:  # a pool buffer of the old size: move to a larger one
+            before, self._sizes[name] = self._sizes[name], elements
+            larger = self._take_blocking(name)
+            larger[:before].copy_(buffer[:before])
+            self._outgrown.setdefault(name, []).append(buffer)  # callers may still view it
+            self._held[name] = buffer = larger
         self._sizes[name] = elements
-        return self._held[name][:elements]
+        return buffer[:elements]
 
     def release(self, name: Hashable) -> None:
         """Done with the sub-group: keep it in DRAM if the plan says so, else write it back."""
         buffer = self._held.pop(name)
-        if name in self._keep:
-            self.resident[name] = buffer
-        else:
+        for outgrown in self._outgrown.pop(name, []):
+            self._give_back(outgrown)
+        kept = self._to_pool(name, buffer) if name in self._keep else None
+        if kept is None:
             self._write(name, buffer)
+        else:
+            self.resident[name] = kept
         self._read_ahead()
 
     def end_pass(self) -> None:
@@ -136,16 +163,18 @@ class SubGroupStager:
         self._keep = set()
         for buffer, future in self._reads.values():
             future.exception()
-            self._free.append(buffer)
+            self._give_back(buffer)
         self._reads.clear()
         self.wait_writes()
 
     # -- outside a pass ---------------------------------------------------------------------------
-    def write(self, name: Hashable, elements: int, fill: Callable[[torch.Tensor], None]) -> None:
+    def write(self, name: Hashable, elements: int, fill: Callable[[torch.Tensor], object]) -> None:
         """Write a sub-group's state laid out by ``fill`` into a free buffer (in the background)."""
         self._sizes[name] = elements
-        self.resident.pop(name, None)
-        buffer = self._take_free()
+        stale = self.resident.pop(name, None)
+        if stale is not None:
+            self._give_back(stale)
+        buffer = self._take_blocking(name)
         fill(buffer[:elements])
         self._write(name, buffer)
 
@@ -166,7 +195,8 @@ class SubGroupStager:
 
     def drop_resident(self) -> None:
         """Forget the DRAM copies (after the store was rewritten behind them)."""
-        self._free.extend(self.resident.values())
+        for buffer in self.resident.values():
+            self._give_back(buffer)
         self.resident.clear()
 
     def wait_writes(self) -> None:
@@ -185,56 +215,102 @@ class SubGroupStager:
         self._writes.append((self.store.put(self.key(name), state, cache=False), buffer))
 
     def _read_ahead(self) -> None:
-        while self._upcoming and self._free and len(self._reads) < self.prefetch_depth:
-            name = self._upcoming.popleft()
+        while self._upcoming and len(self._reads) < self.prefetch_depth:
+            name = self._upcoming[0]
             if name in self.resident or name in self._held or name in self._reads:
+                self._upcoming.popleft()
                 continue
-            buffer = self._free.pop()
+            buffer = self._take(name)
+            if buffer is None:
+                return
+            self._upcoming.popleft()
             self._reads[name] = (buffer, self._read(name, buffer))
 
     def _reclaim(self, block: bool) -> None:
-        """Return the buffers of finished writes to the pool (``block``: wait for at least one)."""
+        """Return the buffers of finished writes (``block``: wait for at least one)."""
         while self._writes and (block or self._writes[0][0].done()):
             future, buffer = self._writes.popleft()
             try:
                 future.result()
             finally:
-                self._free.append(buffer)
+                self._give_back(buffer)
             block = False
 
-    def _take_free(self) -> torch.Tensor:
-        while not self._free:
+    def _take(self, name: Hashable) -> torch.Tensor | None:
+        """A buffer for the sub-group, or None while all are in use. One the plan keeps comes from
+        the pool if it can (it then stays where it was read); others take the ring first."""
+        if name not in self._keep and self._free:
+            return self._free.pop()
+        pooled = self._from_pool(FP32 * self._sizes[name])
+        if pooled is None and self._free:
+            return self._free.pop()
+        return pooled
+
+    def _take_blocking(self, name: Hashable) -> torch.Tensor:
+        while (buffer := self._take(name)) is None:
             if not self._writes:
                 raise CapacityError(
                     f"all {len(self.buffers)} staging buffers are in use: a pass acquired more sub-groups "
                     "than the DRAM budget holds"
                 )
             self._reclaim(block=True)
-        return self._free.pop()
+        return buffer
+
+    def _to_pool(self, name: Hashable, buffer: torch.Tensor) -> torch.Tensor | None:
+        """The sub-group in a pool buffer (copied out of the ring if need be, waiting for writes to
+        free room: cheaper than a write now and a read next pass), or None if the pool is full."""
+        if buffer.data_ptr() in self._pooled:
+            return buffer
+        nbytes = FP32 * self._sizes[name]
+        while (pooled := self._from_pool(nbytes)) is None and self._writes:
+            self._reclaim(block=True)
+        if pooled is not None:
+            pooled.copy_(buffer[: self._sizes[name]])
+            self._give_back(buffer)
+        return pooled
+
+    def _from_pool(self, nbytes: int) -> torch.Tensor | None:
+        if not self.pool.fits(nbytes):
+            return None
+        block = self.pool.try_acquire(nbytes)
+        if block is None:
+            return None
+        tensor = block.view(nbytes).view(torch.float32)
+        self._pooled[tensor.data_ptr()] = block
+        return tensor
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        block = self._pooled.pop(buffer.data_ptr(), None)
+        if block is None:
+            self._free.append(buffer)
+        else:
+            self.pool.release(block)
 
     def _plan_keep(self, order: list[Hashable]) -> set[Hashable]:
-        room = len(self.buffers) - self.prefetch_depth
-        if self.cache_policy == "none" or room <= 0:
+        """What stays in the pool at the end of the pass. Sizes are whole pages, as the pool carves
+        them, so a planned set always fits the pool once the previous pass's kept set is gone."""
+        room = self.pool.capacity
+        if self.cache_policy == "none" or room == 0:
             return set()
-        if self.cache_policy == "static":
-            return set(order[-room:])
-        # A kept sub-group holds a whole buffer, whatever its own size.
-        sizes = [self.slot_bytes] * len(order)
+        sizes = [round_up(FP32 * self._sizes[name]) for name in order]
+        if self.cache_policy == "static":  # MLP-Offload: the last K that fit
+            keep: set[Hashable] = set()
+            kept = 0
+            for name, size in zip(reversed(order), reversed(sizes), strict=True):
+                if kept + size > room:
+                    break
+                keep.add(name)
+                kept += size
+            return keep
         plan = plan_pass(
-            self._path_speeds(), room * self.slot_bytes, sizes, list(range(len(order))), working_bytes=0
+            self._path_speeds(), self.working_bytes + room, sizes, working_bytes=self.working_bytes
         )
         return {order[i] for i in plan.keep}
 
     def _path_speeds(self) -> list[PathSpeed]:
-        speeds = []
-        for path in self.store.tiers[0].paths:
-            estimate = path.bandwidth()
-            speeds.append(
-                PathSpeed(path.name, estimate.read, estimate.write)
-                if estimate
-                else PathSpeed(path.name, 1e9, 1e9)
-            )
-        return speeds
+        """The first tier's paths (where the state is placed), as the store measures them."""
+        speeds: list[PathSpeed] = next(iter(self.store.bandwidths().values()), [])
+        return speeds or [PathSpeed("unmeasured", 1e9, 1e9)]
 
 
 def _check_settings(namespace: str, dram_budget: int | None, prefetch_depth: int, cache_policy: str) -> None:

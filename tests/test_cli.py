@@ -45,6 +45,18 @@ def test_train_offloads_optimizer_state_and_activations(
     assert not (tmp_path / "data").exists()  # no objects left, nor the directory the run made
 
 
+def test_train_with_apollo_mini(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    arguments = ["train", "--dir", str(tmp_path / "data"), "--layers", "2", "--width", "128", "--steps", "4"]
+    budgets = ["--sub-group-size", "20000", "--dram-budget", "2MiB", "--activation-budget", "4MiB"]
+    assert main([*arguments, *budgets, "--optimizer", "apollo-mini"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["optimizer"] == "apollo-mini" and report["loss_decreased"]
+    assert "optimizer apollo" in report["memory"]["reserved_bytes"]
+    # the blocks' matrices keep rank-1 moments: well under AdamW's 12 bytes per parameter
+    assert report["fp32_state_bytes"] < 8 * report["parameters"]
+    assert not (tmp_path / "data").exists()
+
+
 def test_spill_round_trips_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["spill", "--dir", str(tmp_path / "data"), "--total", "8MiB", "--object", "1MiB"]) == 0
     out = capsys.readouterr().out

@@ -256,22 +256,66 @@ def test_partition_arithmetic() -> None:
         partition([[(0, 1)]], 0)
 
 
-def test_uneven_subgroups_never_keep_more_than_the_spare_buffers(tmp_path: Path) -> None:
+def test_uneven_subgroups_are_kept_by_bytes_within_the_budget(tmp_path: Path) -> None:
     with make_store(tmp_path, "dram") as store:
         params = [torch.nn.Parameter(torch.randn(n)) for n in (1000, 10, 10, 10, 10, 10, 10)]
         groups = OffloadedAdamW(
             [{"params": [p]} for p in params],
             store,
             sub_group_size=1000,
-            dram_budget=3 * 12 * 1000 + 4 * 1000,
+            dram_budget=3 * 12 * 1000 + 4 * 1000,  # room for one large sub-group beside the ring
             namespace="groups",
         )
         assert len(groups.subgroups) == 7  # one per group: one large, six tiny
+        room = groups.stager.dram_budget - groups.stager.working_bytes
+        counts = []
         for _ in range(4):
             for param in params:
                 param.grad = torch.randn(param.shape)
             groups.step()
-            assert len(groups.stager.resident) <= len(groups.stager.buffers) - groups.stager.prefetch_depth
+            kept = groups.stager.resident.values()
+            assert sum(-(-buffer.numel() * 4 // 4096) * 4096 for buffer in kept) <= -(-room // 4096) * 4096
+            counts.append(len(kept))
+        assert max(counts) == 3  # by bytes, three tiny ones fit where the large one would
+
+
+def uneven_pass_bytes(tmp_path: Path, cache_policy: str) -> tuple[int, list[torch.Tensor]]:
+    """Bytes a step moves in steady state over sub-groups [s, s, s, LARGE, s, s] with room for five
+    small ones, and the master weights after 6 steps."""
+    small, large = 1024, 4096  # elements: 3 and 12 pages of AdamW state
+    with make_store(tmp_path, "dram") as store:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (small, small, small, large, small, small)]
+        optimizer = OffloadedAdamW(
+            [{"params": [p]} for p in params],
+            store,
+            sub_group_size=large,
+            dram_budget=2 * 12 * large + 4 * large + 5 * 12 * small,  # ring + gradients + 5 small kept
+            cache_policy=cache_policy,  # type: ignore[arg-type]
+            namespace=cache_policy,
+        )
+        moved = 0
+        for step in range(6):
+            generator = torch.Generator().manual_seed(step)
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator)
+            tier = store.tiers[0]
+            before = tier.bytes_read + tier.bytes_written
+            optimizer.step()
+            if step >= 2:
+                moved += tier.bytes_read + tier.bytes_written - before
+        return moved, optimizer.master_params()
+
+
+def test_the_model_keeps_more_of_uneven_subgroups_than_static_and_moves_fewer_bytes(tmp_path: Path) -> None:
+    model_moved, model_result = uneven_pass_bytes(tmp_path, "model")
+    static_moved, static_result = uneven_pass_bytes(tmp_path, "static")
+    # static stops at the large sub-group (2 or 3 small ones kept, alternately); the model steps
+    # over it and keeps all five small ones for good: only the large one moves, 2 x 48 KiB a step
+    assert model_moved == 4 * 2 * 12 * 4096
+    assert static_moved > model_moved
+    for got, want in zip(model_result, static_result, strict=True):
+        assert torch.equal(got, want)  # the policy changes what moves, never the arithmetic
 
 
 SKIPPING_SHAPES = [(700,), (90, 10), (300,), (50,)]  # sub-groups of 1000: the 90x10 one straddles two
@@ -436,14 +480,37 @@ def test_bad_constructor_arguments_name_the_field(tmp_path: Path, option: str, v
     with make_store(tmp_path, "dram") as store:
         for value in values:
             with pytest.raises(ConfigError, match=f"^{option}: "):
-                OffloadedAdamW([torch.nn.Parameter(torch.randn(100))], store, **{option: value})
+                options: dict[str, Any] = {option: value}  # wrong on purpose: the runtime check is tested
+                OffloadedAdamW([torch.nn.Parameter(torch.randn(100))], store, **options)
 
 
 def test_bad_parameter_group_hyperparameters_name_the_group(tmp_path: Path) -> None:
     with make_store(tmp_path, "dram") as store:
-        groups = [
+        groups: list[dict[str, Any]] = [
             {"params": [torch.nn.Parameter(torch.randn(10))]},
             {"params": [torch.nn.Parameter(torch.randn(10))], "lr": -1.0},
         ]
         with pytest.raises(ConfigError, match=r"^param_groups\.1\.lr: "):
             OffloadedAdamW(groups, store)
+
+
+def test_a_pooled_subgroup_grows_into_a_larger_buffer_keeping_its_values(tmp_path: Path) -> None:
+    """The DeepSpeed swapper's first step: a sub-group read as master weights only, resized once the
+    optimizer has created its moments; a kept (pool) buffer of the old size must not lose them."""
+    from tierstore.optimizer.staging import SubGroupStager
+
+    with make_store(tmp_path, "dram") as store:
+        stager = SubGroupStager(store, "grow", slot_elements=3 * 4096, dram_budget=1 << 20)
+        stager.write("a", 4096, lambda state: state.copy_(torch.arange(4096.0)))
+        stager.wait_writes()
+        for _ in range(2):  # the second pass finds it kept, in a pool buffer of 4096 values
+            stager.begin_pass(["a"], {"a": 4096})
+            state = stager.acquire("a")
+            grown = stager.resize("a", 3 * 4096)
+            assert torch.equal(grown[:4096], torch.arange(4096.0))
+            grown[4096:].fill_(7.0)
+            stager.release("a")
+            stager.end_pass()
+            assert "a" in stager.resident
+            assert torch.equal(stager.read("a")[4096:], torch.full((2 * 4096,), 7.0))
+            del state

@@ -161,14 +161,16 @@ def run_training(
     sub_group_size: int,
     budget: int,
     activation_budget: int,
+    optimizer_name: str = "adamw",
 ) -> dict[str, Any]:
     """Train a GPT-style model on text that ships with Python, with its fp32 optimizer state
-    (:class:`OffloadedAdamW`, ``budget`` bytes of DRAM) and the activations saved for backward
+    (:class:`OffloadedAdamW`, or :class:`OffloadedAPOLLO` as APOLLO-Mini for ``"apollo-mini"``;
+    ``budget`` bytes of DRAM) and the activations saved for backward
     (:class:`ActivationOffload`, ``activation_budget`` bytes, lifetime plan) both spilled to the
     config's tiers through one store (which caches nothing itself)."""
     from .activations import ActivationOffload  # the workloads sit above the store
-    from .optimizer import OffloadedAdamW
-    from .testing.gpt import GPT, batch_of, byte_corpus
+    from .optimizer import APOLLO_MINI, OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
+    from .testing.gpt import GPT, apollo_groups, batch_of, byte_corpus
 
     settings = load_config(config)
     torch.manual_seed(0)
@@ -176,7 +178,6 @@ def run_training(
     model = GPT(vocab=256, width=width, layers=layers, heads=max(1, width // 64), length=length)
     corpus = byte_corpus()
     parameters = sum(p.numel() for p in model.parameters())
-    state_bytes = 12 * parameters  # fp32 master weights + two moments
     # One DRAM ledger for both workloads: the store holds exactly their two budgets.
     store_settings = settings.model_copy(
         update={
@@ -185,23 +186,36 @@ def run_training(
         }
     )
     report: dict[str, Any] = {
+        "optimizer": optimizer_name,
         "parameters": parameters,
-        "fp32_state_bytes": state_bytes,
         "dram_budget_bytes": budget,
-        "state_over_budget": round(state_bytes / budget, 2),
         "activation_budget_bytes": activation_budget,
         "tokens_per_step": batch * length,
         "steps": [],
     }
     with TierStore.from_config(store_settings) as store:
-        optimizer = OffloadedAdamW(
-            model.parameters(),
-            store,
-            lr=1e-3,
-            sub_group_size=sub_group_size,
-            dram_budget=budget,
-            max_grad_norm=1.0,
-        )
+        optimizer: StagedOptimizer
+        if optimizer_name == "apollo-mini":
+            optimizer = OffloadedAPOLLO(
+                apollo_groups(model, APOLLO_MINI),
+                store,
+                lr=1e-3,
+                sub_group_size=sub_group_size,
+                dram_budget=budget,
+                max_grad_norm=1.0,
+            )
+        else:
+            optimizer = OffloadedAdamW(
+                model.parameters(),
+                store,
+                lr=1e-3,
+                sub_group_size=sub_group_size,
+                dram_budget=budget,
+                max_grad_norm=1.0,
+            )
+        state_bytes = sum(4 * optimizer.state_numel(sg) for sg in optimizer.subgroups)
+        report["fp32_state_bytes"] = state_bytes
+        report["state_over_budget"] = round(state_bytes / budget, 2)
         offload = ActivationOffload(store, budget=activation_budget, min_bytes="256KiB", plan="lifetime")
         report["subgroups"] = len(optimizer.subgroups)
         report["memory"] = store.stats()["memory"]
@@ -319,9 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train",
         help="main job: train a GPT with its optimizer state and activations offloaded",
         description="Train a GPT-style model on the standard library's source text with OffloadedAdamW "
-        "(fp32 state several times its DRAM budget) and ActivationOffload (saved activations several "
-        "times theirs), over the embedded default config (one NVMe tier); print loss, step time, "
-        "resident activation bytes and GB/s.",
+        "or APOLLO-Mini (fp32 state several times its DRAM budget) and ActivationOffload (saved "
+        "activations several times theirs), over the embedded default config (one NVMe tier); print "
+        "loss, step time, resident activation bytes and GB/s.",
     )
     train.add_argument("--dir", type=Path, help=f"directory of the NVMe tier (default ./{default_dir})")
     train.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (4)")
@@ -337,6 +351,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=_positive_byte_size,
         default=_byte_size("16MiB"),
         help="optimizer DRAM: read-ahead ring, gradient buffer, kept sub-groups (16MiB)",
+    )
+    train.add_argument(
+        "--optimizer",
+        choices=["adamw", "apollo-mini"],
+        default="adamw",
+        help="offloaded AdamW (12 bytes of fp32 state per parameter), or APOLLO-Mini (rank-1 "
+        "APOLLO on the blocks' matrices, about 4 bytes per parameter); default adamw",
     )
     train.add_argument(
         "--activation-budget",
@@ -419,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     sub_group_size=args.sub_group_size,
                     budget=args.dram_budget,
                     activation_budget=args.activation_budget,
+                    optimizer_name=args.optimizer,
                 )
             print(json.dumps(report, indent=2))
             return 0 if report["loss_decreased"] else 1

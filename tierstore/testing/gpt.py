@@ -88,3 +88,15 @@ def batch_of(corpus: torch.Tensor, step: int, batch: int, length: int) -> tuple[
     starts = torch.randint(0, corpus.numel() - length - 1, (batch,), generator=generator)
     rows = torch.stack([corpus[s : s + length + 1] for s in starts.tolist()])
     return rows[:, :-1], rows[:, 1:]
+
+
+def apollo_groups(model: nn.Module, projection: dict[str, object]) -> list[dict[str, object]]:
+    """Parameter groups as APOLLO's own training scripts make them: the blocks' linear weights get
+    the low-rank ``projection`` (``rank``, ``scale``...), everything else (embeddings, the tied
+    head, norms, biases) plain AdamW."""
+    projected = [p for name, p in model.named_parameters() if name.startswith("blocks.") and p.dim() == 2]
+    chosen = {id(p) for p in projected}
+    return [
+        {"params": projected, **projection},
+        {"params": [p for p in model.parameters() if id(p) not in chosen]},
+    ]

@@ -1,0 +1,399 @@
+"""APOLLO (SGD-like memory, AdamW-level performance) with its fp32 state offloaded to a TierStore.
+
+APOLLO keeps Adam's moments in a low-rank space: each matrix's gradient ``G`` (m x n) is projected
+by a random matrix ``P`` to ``R`` (m x r or r x n), the moments are of ``R``, and the update is
+``G`` scaled by how much Adam would have rescaled ``R`` (per channel, or one factor per tensor),
+with Fira's norm-growth limiter. ``P`` comes from a seed, refreshed every ``update_proj_gap`` steps,
+so it is regenerated, never stored. Rank 1 with tensor scaling (APOLLO-Mini) keeps 2r + 1 values per
+matrix beside the master weights: about 4 bytes per parameter to read and write per step, where
+AdamW moves 12. Parameters of groups without ``rank``, and any that is not a matrix, get the
+reference's AdamW.
+
+The arithmetic is ``apollo_torch.APOLLOAdamW``'s (PyPI ``apollo-torch``, the official
+implementation), operation for operation, with its hyper-parameters, groups, seeds and refresh rule;
+the tests hold this to it. Sub-groups hold whole parameters (APOLLO projects whole matrices), laid
+out per parameter ``master | exp_avg | exp_avg_sq | scaled-gradient norm``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..errors import BufferMismatchError, ConfigError
+from ..store import TierStore
+from .adamw import _check_hyperparameters
+from .engine import StagedOptimizer, is_real
+from .partition import Piece, SubGroup
+from .staging import CachePolicy, _is_integer
+
+PROJECTION_DEFAULTS: dict[str, Any] = {
+    "proj": "random",
+    "scale_type": "tensor",
+    "scale": 1.0,
+    "update_proj_gap": 200,
+    "proj_type": "std",
+}
+"""What a group with ``rank`` gets for the keys it leaves out (``apollo_torch`` requires them all)."""
+
+APOLLO_MINI: dict[str, Any] = {
+    "rank": 1,
+    "proj": "random",
+    "scale_type": "tensor",
+    "scale": 128.0,
+    "update_proj_gap": 200,
+    "proj_type": "std",
+}
+"""APOLLO-Mini's group keys, as the paper and ``apollo_torch``'s README give them."""
+
+SEED_ADVANCE = 0xF
+"""``apollo_torch``'s ``next_seed``: the last of this many draws seeds the next projection."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one parameter's state lies in its sub-group's object."""
+
+    piece: Piece
+    offset: int
+    shape: torch.Size
+    moment_shape: tuple[int, ...]
+    """Low-rank ``R``'s shape for an APOLLO matrix, the parameter's for AdamW."""
+    side: Literal["left", "right"] | None
+    """Which side ``P`` multiplies ``G`` from; None: the parameter gets AdamW."""
+
+    @property
+    def moment_numel(self) -> int:
+        return math.prod(self.moment_shape)
+
+    @property
+    def numel(self) -> int:
+        return self.piece.length + 2 * self.moment_numel + (self.side is not None)
+
+
+class OffloadedAPOLLO(StagedOptimizer):
+    """``apollo_torch.APOLLOAdamW`` over a :class:`TierStore`, staged as :class:`OffloadedAdamW` is.
+
+    Groups take ``apollo_torch``'s keys: ``rank`` (a group without it gets AdamW), ``proj``
+    (``"random"``), ``scale_type`` (``"tensor"`` or ``"channel"``), ``scale``, ``update_proj_gap``,
+    ``proj_type`` (``"std"``, ``"reverse_std"``, ``"left"``, ``"right"``), and ``correct_bias``;
+    ``scale_front`` and ``disable_nl`` are its constructor flags. APOLLO-Mini is ``rank=1,
+    scale_type="tensor"`` (the paper uses ``scale=128``). ``max_grad_norm``, ``grad_scale`` and
+    overflow skipping are the engine's, as for AdamW.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        store: TierStore,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        correct_bias: bool = True,
+        scale_front: bool = False,
+        disable_nl: bool = False,
+        sub_group_size: int = 100_000_000,
+        max_grad_norm: float | None = None,
+        dram_budget: int | None = None,
+        prefetch_depth: int = 2,
+        cache_policy: CachePolicy = "model",
+        namespace: str = "apollo",
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "correct_bias": correct_bias,
+        }
+        _check_group(defaults, "")
+        for name, flag in (("scale_front", scale_front), ("disable_nl", disable_nl)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name}: must be True or False, got {flag!r}")
+        self.scale_front = scale_front
+        self.disable_nl = disable_nl
+        self._slots: dict[int, list[_Slot]] = {}
+        super().__init__(
+            params,
+            store,
+            defaults,
+            sub_group_size=sub_group_size,
+            max_grad_norm=max_grad_norm,
+            dram_budget=dram_budget,
+            prefetch_depth=prefetch_depth,
+            cache_policy=cache_policy,
+            namespace=namespace,
+            whole_params=True,
+        )
+        self.seeds = [number + 1 for number in range(len(self.params))]
+        """Per parameter, the seed of its current projection (``apollo_torch`` numbers parameters
+        from 1 across groups and advances a seed at each refresh)."""
+        self._write_all(None)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim`` format: per parameter ``step``, ``exp_avg`` and ``exp_avg_sq`` (low-rank
+        for APOLLO matrices), ``master_param``, and for APOLLO matrices the projection ``seed`` and,
+        once set, ``scaled_grad`` (the limiter's last norm). Kept sub-groups are flushed first."""
+        self.stager.flush()
+        state: dict[int, dict[str, Any]] = {}
+        for sg in self.subgroups:
+            blob = self.stager.read(sg.index)
+            for slot in self._layout(sg):
+                i = slot.piece.param
+                master, exp_avg, exp_avg_sq, scaled = self._views(slot, blob)
+                entry: dict[str, Any] = {
+                    "step": torch.tensor(float(self.param_steps[i])),
+                    "exp_avg": exp_avg.clone(),
+                    "exp_avg_sq": exp_avg_sq.clone(),
+                    "master_param": master.clone(),
+                }
+                if scaled is not None:
+                    entry["seed"] = self.seeds[i]
+                    if self.param_steps[i] > 0 and not self.disable_nl:
+                        entry["scaled_grad"] = scaled.clone()
+                state[i] = entry
+        return {
+            "state": dict(sorted(state.items())),
+            "param_groups": self._state_dict_groups(),
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (same parameters, same ranks and projection types); the store
+        is rewritten."""
+        self._check_same_layout(state_dict["param_groups"], "the state dict")
+        self._restore_groups(state_dict["param_groups"])
+        state = state_dict["state"]
+        entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
+        slots = {slot.piece.param: slot for sg in self.subgroups for slot in self._layout(sg)}
+        for i, entry in enumerate(entries):
+            slot = slots[i]
+            for name, shape in (
+                ("master_param", slot.shape),
+                ("exp_avg", slot.moment_shape),
+                ("exp_avg_sq", slot.moment_shape),
+            ):
+                if entry is not None and name in entry and tuple(entry[name].shape) != tuple(shape):
+                    raise BufferMismatchError(
+                        f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "
+                        f"this optimizer's is {tuple(shape)}"
+                    )
+        self.param_steps = [0 if entry is None else int(entry.get("step", 0)) for entry in entries]
+        self.seeds = [
+            number + 1 if entry is None else int(entry.get("seed", number + 1))
+            for number, entry in enumerate(entries)
+        ]
+        self.step_count = int(state_dict.get("step_count", max(self.param_steps, default=0)))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.stager.drop_resident()
+        self._write_all(state)
+
+    def _snapshot_metadata(self) -> dict[str, Any]:
+        return {"seeds": self.seeds, "state_numels": [self.state_numel(sg) for sg in self.subgroups]}
+
+    def _restore_snapshot_metadata(self, path: Any, metadata: dict[str, Any]) -> None:
+        if metadata.get("state_numels") != [self.state_numel(sg) for sg in self.subgroups]:
+            raise BufferMismatchError(f"{path}: its ranks or projection types differ from this optimizer's")
+        self.seeds = [int(seed) for seed in metadata["seeds"]]
+
+    def _check_same_layout(self, groups: list[dict[str, Any]], source: str) -> None:
+        """Ranks and projection types fix the state's layout: a restore may not change them."""
+        for number, (saved, mine) in enumerate(zip(groups, self.param_groups, strict=False)):
+            for key in ("rank", "proj_type"):
+                if saved.get(key) != mine.get(key):
+                    raise BufferMismatchError(
+                        f"{source}: param_groups.{number}.{key} is {saved.get(key)!r}, this optimizer's "
+                        f"{mine.get(key)!r} (the state's layout depends on it)"
+                    )
+
+    # -- the layout and the kernel ---------------------------------------------------------------------
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        _check_group(group, where)
+
+    def state_numel(self, sg: SubGroup) -> int:
+        return sum(slot.numel for slot in self._layout(sg))
+
+    def _layout(self, sg: SubGroup) -> list[_Slot]:
+        if sg.index not in self._slots:
+            group = self.param_groups[sg.group]
+            slots, offset = [], 0
+            for piece in sg.pieces:
+                shape = self.params[piece.param].shape
+                side = _side(shape, group["proj_type"]) if "rank" in group and len(shape) == 2 else None
+                if side is None:
+                    moment: tuple[int, ...] = tuple(shape)
+                else:
+                    rows, columns = shape
+                    moment = (rows, group["rank"]) if side == "right" else (group["rank"], columns)
+                    norm_dim = 0 if rows < columns else 1  # apollo_torch's channel dimension
+                    if group["scale_type"] == "channel" and norm_dim != (0 if side == "left" else 1):
+                        raise ConfigError(
+                            f"param_groups.{sg.group}.scale_type: 'channel' scaling of a {rows}x{columns} "
+                            f"matrix needs proj_type 'std' (got {group['proj_type']!r})"
+                        )
+                slots.append(_Slot(piece, offset, shape, moment, side))
+                offset += slots[-1].numel
+            self._slots[sg.index] = slots
+        return self._slots[sg.index]
+
+    def _views(
+        self, slot: _Slot, state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Master weights, both moments and (APOLLO only) the limiter's norm, as views of ``state``."""
+        start, n, k = slot.offset, slot.piece.length, slot.moment_numel
+        master = state[start : start + n].view(slot.shape)
+        exp_avg = state[start + n : start + n + k].view(slot.moment_shape)
+        exp_avg_sq = state[start + n + k : start + n + 2 * k].view(slot.moment_shape)
+        scaled = None if slot.side is None else state[start + n + 2 * k]
+        return master, exp_avg, exp_avg_sq, scaled
+
+    def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+        return [(slot.piece, self._views(slot, state)[0].view(-1)) for slot in self._layout(sg)]
+
+    def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
+        for slot in self._layout(sg):
+            i = slot.piece.param
+            entry = None if saved is None else saved.get(i, saved.get(str(i)))
+            master, exp_avg, exp_avg_sq, scaled = self._views(slot, state)
+            weights = (
+                self.params[i] if entry is None or "master_param" not in entry else entry["master_param"]
+            )
+            master.copy_(weights.detach().reshape(slot.shape))
+            for part, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq"), (scaled, "scaled_grad")):
+                if part is None:
+                    continue
+                if entry is not None and name in entry:
+                    part.copy_(entry[name].reshape(part.shape))
+                else:
+                    part.zero_()
+
+    def _update(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
+        group = self.param_groups[sg.group]
+        slots = {slot.piece.param: slot for slot in self._layout(sg)}
+        for piece, grad in grads:
+            slot = slots[piece.param]
+            master, exp_avg, exp_avg_sq, scaled = self._views(slot, state)
+            self._apollo_adamw(group, slot, grad.view(slot.shape), master, exp_avg, exp_avg_sq, scaled)
+            self._copy_to_model(piece, master.view(-1))
+
+    def _apollo_adamw(
+        self,
+        group: dict[str, Any],
+        slot: _Slot,
+        grad: torch.Tensor,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        scaled: torch.Tensor | None,
+    ) -> None:
+        """``APOLLOAdamW.step`` for one parameter, in ``apollo_torch``'s order of operations; the
+        fp32 gradient buffer takes the scaled gradient in place (no full-size temporary)."""
+        param = slot.piece.param
+        step = self.param_steps[param]  # this step included
+        moment_grad = grad
+        if slot.side is not None:  # APOLLO step 1: the gradient in the low-rank space
+            if (step - 1) % group["update_proj_gap"] == 0 and step > 1:
+                self.seeds[param] = next_seed(self.seeds[param])
+            projection = random_projection(slot.shape, group["rank"], slot.side, self.seeds[param])
+            moment_grad = grad @ projection.t() if slot.side == "right" else projection.t() @ grad
+        beta1, beta2 = group["betas"]
+        exp_avg.mul_(beta1).add_(moment_grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(moment_grad, moment_grad, value=1.0 - beta2)
+        denom = exp_avg_sq.sqrt().add_(group["eps"])
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size = step_size * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        norm_grad = exp_avg / denom
+        if scaled is None:
+            master.add_(norm_grad, alpha=-step_size)
+        else:  # APOLLO steps 3 and 4: scale the raw gradient as Adam scaled the projected one
+            rows, columns = slot.shape
+            norm_dim = 0 if rows < columns else 1
+            if group["scale_type"] == "channel":
+                factor = torch.norm(norm_grad, dim=norm_dim) / (torch.norm(moment_grad, dim=norm_dim) + 1e-8)
+                if norm_dim == 1:
+                    factor = factor.unsqueeze(1)
+            else:
+                factor = torch.norm(norm_grad) / (torch.norm(moment_grad) + 1e-8)
+            update = grad.mul_(factor)
+            if self.scale_front:
+                update.mul_(math.sqrt(group["scale"]))
+            if not self.disable_nl:  # Fira's norm-growth limiter
+                if step > 1:
+                    update_norm = torch.norm(update)
+                    limiter = max(update_norm / (scaled + 1e-8), 1.01) / 1.01
+                    update.div_(limiter)
+                    scaled.copy_(update_norm / limiter)
+                else:
+                    scaled.copy_(torch.norm(update))
+            if not self.scale_front:
+                update.mul_(math.sqrt(group["scale"]))
+            master.add_(update, alpha=-step_size)
+        if group["weight_decay"] > 0.0:
+            master.add_(master, alpha=-group["lr"] * group["weight_decay"])
+
+
+def random_projection(shape: torch.Size, rank: int, side: str, seed: int) -> torch.Tensor:
+    """``apollo_torch``'s projection: standard normal entries from ``seed``, over sqrt(rank);
+    (rank x columns) applied from the right, (rows x rank) from the left."""
+    rows, columns = shape
+    generator = torch.Generator().manual_seed(seed)
+    size = (rank, columns) if side == "right" else (rows, rank)
+    return torch.randn(size, generator=generator, dtype=torch.float32) / math.sqrt(rank)
+
+
+def next_seed(seed: int) -> int:
+    """The seed of the next projection, as ``apollo_torch`` derives it."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.randint(0, torch.iinfo(torch.int64).max, (SEED_ADVANCE,), generator=generator)
+    return int(draws.tolist()[-1])
+
+
+def _side(shape: torch.Size, proj_type: str) -> Literal["left", "right"]:
+    rows, columns = shape
+    tall = rows >= columns
+    if proj_type == "std":
+        return "right" if tall else "left"
+    if proj_type == "reverse_std":
+        return "left" if tall else "right"
+    return "right" if proj_type == "right" else "left"
+
+
+def _check_group(group: dict[str, Any], where: str) -> None:
+    """AdamW's hyper-parameters, ``correct_bias``, and for a group with ``rank`` the projection's
+    keys (missing ones take :data:`PROJECTION_DEFAULTS`): a :class:`ConfigError` naming the field."""
+    _check_hyperparameters(group, where)
+    group.setdefault("correct_bias", True)
+    if not isinstance(group["correct_bias"], bool):
+        raise ConfigError(f"{where}correct_bias: must be True or False, got {group['correct_bias']!r}")
+    if "rank" not in group:
+        return
+    for key, value in PROJECTION_DEFAULTS.items():
+        group.setdefault(key, value)
+    if not _is_integer(group["rank"]) or group["rank"] < 1:
+        raise ConfigError(f"{where}rank: must be a positive integer, got {group['rank']!r}")
+    if group["proj"] != "random":
+        raise ConfigError(
+            f"{where}proj: only 'random' is supported, got {group['proj']!r} (an SVD projection is a "
+            "stored matrix per parameter; a random one is regenerated from its seed)"
+        )
+    if group["scale_type"] not in ("tensor", "channel"):
+        raise ConfigError(f"{where}scale_type: must be 'tensor' or 'channel', got {group['scale_type']!r}")
+    if not is_real(group["scale"]) or group["scale"] <= 0.0:
+        raise ConfigError(f"{where}scale: must be a positive number, got {group['scale']!r}")
+    if not _is_integer(group["update_proj_gap"]) or group["update_proj_gap"] < 1:
+        raise ConfigError(
+            f"{where}update_proj_gap: must be a positive integer, got {group['update_proj_gap']!r}"
+        )
+    if group["proj_type"] not in ("std", "reverse_std", "left", "right"):
+        raise ConfigError(
+            f"{where}proj_type: must be 'std', 'reverse_std', 'left' or 'right', got {group['proj_type']!r}"
+        )

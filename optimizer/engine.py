@@ -1,0 +1,270 @@
+"""The optimizer-agnostic half of an offloaded optimizer: one step's schedule over staged sub-groups.
+
+An optimizer built on :class:`StagedOptimizer` says only what its per-sub-group state is (how many
+fp32 values, laid out how) and how one sub-group is updated. The engine does the rest, the same
+for every optimizer:
+
+1. measures the global gradient norm from the low-precision gradients (fp32 accumulation, no fp32
+   copy), detects overflow (a non-finite norm skips the step, leaving all state untouched, as loss
+   scaling expects) and derives one coefficient for unscaling and clipping; each parameter counts
+   its own steps, only those on which it has a gradient (bias correction, as in torch);
+2. visits the sub-groups forward on odd steps and in reverse on even ones (MLP-Offload's
+   cache-friendly order) through a :class:`~tierstore.optimizer.staging.SubGroupStager`: read-ahead
+   ring, background write-back, and the kept set the I/O model chooses;
+3. per sub-group, converts its gradients into one reused fp32 buffer (delayed, in place) and hands
+   them to the optimizer's kernel, then copies the new master weights into the model's
+   parameters. No fp32 gradient is ever written to storage;
+4. checkpoints the sub-group objects and the step counts into one HDF5 file.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..buffers import aligned_tensor
+from ..errors import BufferMismatchError, ConfigError
+from ..snapshot import export_hdf5, import_hdf5
+from ..store import TierStore
+from .partition import Piece, SubGroup, partition, partition_whole
+from .staging import FP32, CachePolicy, SubGroupStager, _is_integer
+
+
+class StagedOptimizer(torch.optim.Optimizer):
+    """Base of the offloaded optimizers; ``dram_budget`` bounds the fp32 DRAM it holds (ring,
+    gradient buffer, kept sub-groups), ``whole_params`` keeps every parameter in one sub-group."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        store: TierStore,
+        defaults: dict[str, Any],
+        *,
+        sub_group_size: int,
+        max_grad_norm: float | None,
+        dram_budget: int | None,
+        prefetch_depth: int,
+        cache_policy: CachePolicy,
+        namespace: str,
+        whole_params: bool,
+    ) -> None:
+        if not _is_integer(sub_group_size) or sub_group_size < 1:
+            raise ConfigError(f"sub_group_size: must be a positive integer, got {sub_group_size!r}")
+        if max_grad_norm is not None and not (is_real(max_grad_norm) and max_grad_norm > 0.0):
+            raise ConfigError(f"max_grad_norm: must be None or a positive number, got {max_grad_norm!r}")
+        super().__init__(params, defaults)
+        for number, group in enumerate(self.param_groups):
+            self._check_group(group, f"param_groups.{number}.")
+        self.store = store
+        self.max_grad_norm = max_grad_norm
+        self.params = [p for group in self.param_groups for p in group["params"]]
+        for param in self.params:
+            if not param.is_contiguous() or param.device.type != "cpu":
+                raise BufferMismatchError(f"{type(self).__name__} needs contiguous CPU parameters")
+        index = {id(p): i for i, p in enumerate(self.params)}
+        sizes = [[(index[id(p)], p.numel()) for p in group["params"]] for group in self.param_groups]
+        self.subgroups = (partition_whole if whole_params else partition)(sizes, sub_group_size)
+        largest = max((sg.numel for sg in self.subgroups), default=1)
+        self.stager = SubGroupStager(
+            store,
+            namespace,
+            slot_elements=max((self.state_numel(sg) for sg in self.subgroups), default=1),
+            dram_budget=dram_budget,
+            prefetch_depth=prefetch_depth,
+            cache_policy=cache_policy,
+            reserved_bytes=FP32 * largest,  # the fp32 gradient buffer
+        )
+        self.step_count = 0
+        """Steps taken (overflow-skipped ones excluded); the sub-group order alternates with it."""
+        self.param_steps = [0] * len(self.params)
+        """Per parameter, the steps on which it had a gradient: its bias correction, as in torch."""
+        self.skipped_steps = 0
+        self._grad = aligned_tensor(largest)
+
+    # -- what an optimizer supplies ---------------------------------------------------------------
+    @abstractmethod
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        """A :class:`ConfigError` naming the field for a bad hyper-parameter of a group."""
+
+    @abstractmethod
+    def state_numel(self, sg: SubGroup) -> int:
+        """fp32 values of the sub-group's state object (master weights included)."""
+
+    @abstractmethod
+    def _update(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
+        """Update the sub-group's state in place from its fp32 gradients (pieces without a gradient
+        are absent) and copy the new master weights into the model."""
+
+    @abstractmethod
+    def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
+        """Lay out a sub-group's state from ``saved`` (a state dict's per-parameter entries) or
+        fresh (master weights = the parameters, everything else zero)."""
+
+    @abstractmethod
+    def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+        """The master weights of each piece, as views into ``state``."""
+
+    # -- public -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
+        """One step; gradients are divided by ``grad_scale`` (loss scaling). A step whose gradients
+        overflow is skipped (``skipped_steps`` counts them) and changes nothing."""
+        if not grad_scale > 0.0:
+            raise ConfigError(f"grad_scale must be a positive number, got {grad_scale}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        coefficient = self._gradient_coefficient(grad_scale)
+        if coefficient is None:
+            self.skipped_steps += 1
+            return loss
+        self.step_count += 1
+        for number, param in enumerate(self.params):
+            if param.grad is not None:
+                self.param_steps[number] += 1
+        order = [sg.index for sg in self.subgroups]
+        if self.step_count % 2 == 0:
+            order.reverse()
+        self.stager.begin_pass(order, {sg.index: self.state_numel(sg) for sg in self.subgroups})
+        try:
+            for index in order:
+                state = self.stager.acquire(index)
+                sg = self.subgroups[index]
+                grads = self._gradients(sg, coefficient)
+                if grads:
+                    self._update(sg, state, grads)
+                self.stager.release(index)
+        finally:
+            self.stager.end_pass()
+        return loss
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master weights, one tensor per parameter (read from DRAM or the store)."""
+        masters = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
+        for sg in self.subgroups:
+            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+                masters[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
+                    values
+                )
+        return masters
+
+    def save_snapshot(self, path: str | os.PathLike[str]) -> None:
+        """Checkpoint the fp32 state (sub-groups kept in DRAM included) and step counts into one
+        portable HDF5 file (:func:`tierstore.export_hdf5`), without gathering it in memory."""
+        self.stager.flush()
+        metadata = {
+            "step_count": self.step_count,
+            "param_steps": self.param_steps,
+            "skipped_steps": self.skipped_steps,
+            "subgroups": [sg.numel for sg in self.subgroups],
+            "param_groups": self._saved_groups(),
+            **self._snapshot_metadata(),
+        }
+        export_hdf5(self.store, path, [self.stager.key(sg.index) for sg in self.subgroups], metadata)
+
+    def load_snapshot(self, path: str | os.PathLike[str]) -> None:
+        """Restore a :meth:`save_snapshot` (same parameters and ``sub_group_size``, same namespace).
+        A snapshot from before per-parameter step counts gives every parameter the global count."""
+        self.stager.drop_resident()
+        metadata = import_hdf5(path, self.store)
+        if metadata.get("subgroups") != [sg.numel for sg in self.subgroups]:
+            raise BufferMismatchError(f"{path}: its sub-groups differ from this optimizer's")
+        for group, saved in zip(self.param_groups, metadata["param_groups"], strict=True):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self.step_count = int(metadata["step_count"])
+        param_steps = [int(n) for n in metadata.get("param_steps", [self.step_count] * len(self.params))]
+        if len(param_steps) != len(self.params):
+            raise BufferMismatchError(
+                f"{path}: it counts steps for {len(param_steps)} parameters, this optimizer has "
+                f"{len(self.params)}"
+            )
+        self.param_steps = param_steps
+        self.skipped_steps = int(metadata["skipped_steps"])
+        self._restore_snapshot_metadata(path, metadata)
+        for sg in self.subgroups:  # the model follows the restored master weights
+            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+                self._copy_to_model(piece, values)
+
+    # -- for the optimizers -------------------------------------------------------------------------
+    def _snapshot_metadata(self) -> dict[str, Any]:
+        """Optimizer-specific metadata a snapshot carries (JSON-serialisable)."""
+        return {}
+
+    def _restore_snapshot_metadata(self, path: str | os.PathLike[str], metadata: dict[str, Any]) -> None:
+        """Take back what :meth:`_snapshot_metadata` saved."""
+
+    def _gradients(self, sg: SubGroup, coefficient: float) -> list[tuple[Piece, torch.Tensor]]:
+        """Delayed conversion: the sub-group's low-precision gradients into the one fp32 buffer (at
+        the pieces' offsets), times the coefficient. A piece without a gradient is left out: as in
+        torch, no gradient means no update and no weight decay."""
+        grads = []
+        for piece in sg.pieces:
+            grad = self.params[piece.param].grad
+            if grad is None:
+                continue
+            converted = self._grad[piece.offset : piece.offset + piece.length]
+            converted.copy_(grad.view(-1)[piece.param_offset : piece.param_offset + piece.length])
+            grads.append((piece, converted))
+        if grads and coefficient != 1.0:
+            self._grad[: sg.numel].mul_(coefficient)
+        return grads
+
+    def _copy_to_model(self, piece: Piece, master: torch.Tensor) -> None:
+        """A piece's new master weights into the model's (low-precision) parameter."""
+        target = self.params[piece.param].data.view(-1)
+        target[piece.param_offset : piece.param_offset + piece.length].copy_(master)
+
+    def _gradient_coefficient(self, grad_scale: float) -> float | None:
+        """1/grad_scale times the clipping factor, or None if the gradients overflowed."""
+        norms = [
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self.params if p.grad is not None
+        ]
+        if not norms:
+            return 1.0 / grad_scale
+        total = float(torch.linalg.vector_norm(torch.stack(norms))) / grad_scale
+        if not torch.isfinite(torch.tensor(total)):
+            return None
+        coefficient = 1.0 / grad_scale
+        if self.max_grad_norm is not None:
+            coefficient *= min(1.0, self.max_grad_norm / (total + 1e-6))  # as clip_grad_norm_
+        return coefficient
+
+    def _write_all(self, saved: dict[Any, Any] | None) -> None:
+        """Write every sub-group's state (from ``saved``, or fresh) to the store."""
+        for sg in self.subgroups:
+            self.stager.write(sg.index, self.state_numel(sg), functools.partial(self._fill, sg, saved=saved))
+        self.stager.wait_writes()
+
+    def _saved_groups(self) -> list[dict[str, Any]]:
+        """The groups' hyper-parameters (no parameters), as checkpoints carry them."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def _restore_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Take back a state dict's groups, which must match this optimizer's."""
+        if len(groups) != len(self.param_groups) or any(
+            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups, strict=True)
+        ):
+            raise BufferMismatchError("the state dict's parameter groups do not match this optimizer's")
+        for group, saved in zip(self.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _state_dict_groups(self) -> list[dict[str, Any]]:
+        """``torch.optim``'s ``param_groups`` entry: hyper-parameters and parameter indices."""
+        groups, start = [], 0
+        for group in self.param_groups:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+            groups[-1]["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+        return groups
+
+
+def is_real(value: object) -> bool:
+    """A finite int or float (bool excluded): what a kernel takes as a hyper-parameter."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
