@@ -51,6 +51,7 @@ lint: $(VENV)/.test
 bench: $(VENV)/.test
 	command -v fio >/dev/null && dpkg -s libaio-dev >/dev/null 2>&1 || \
 		(apt-get update && apt-get install -y fio libaio-dev)
+	$(BIN)/pip install py-spy
 	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
 	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
 	$(BIN)/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json

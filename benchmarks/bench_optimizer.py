@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import socket
 import statistics
@@ -96,7 +97,13 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             log(f"  tierstore step {step}: {seconds:.2f} s")
         kept = len(optimizer.stager.resident)
         # What the I/O model predicts for this pass, from the bandwidths the store measured.
-        plan = plan_pass(store.bandwidths()["nvme"], args.budget, [3 * FP32 * numel] * count)
+        stager = optimizer.stager
+        plan = plan_pass(
+            store.bandwidths()["nvme"],
+            stager.working_bytes + stager.pool.capacity,
+            [3 * FP32 * numel] * count,
+            working_bytes=stager.working_bytes,
+        )
     return {
         "subgroups": count,
         "numel": numel,
@@ -264,7 +271,7 @@ def profiled(args: argparse.Namespace, directory: Path) -> dict[str, dict[str, f
     """An extra tierstore run under py-spy (not timed: sampling slows it a little)."""
     samples = directory / "pyspy.txt"
     pyspy_breakdown.record(child_command("tierstore", args, directory), samples)
-    return pyspy_breakdown.breakdown(samples)
+    return pyspy_breakdown.breakdown(samples, phase=re.compile(r"^\w+\.step \(.*engine\.py"))
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -296,9 +303,10 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 in_flight=NVME_QUEUE_DEPTH,
             )
         )
+    profile = None
     if args.profile:
         log("tierstore under py-spy ...")
-        runs["profile"] = profiled(args, directory)  # type: ignore[assignment]  # a breakdown, not a run
+        profile = profiled(args, directory)
     update = {side: [steady(r, "update_s") for r in runs[side]] for side in ("tierstore", "deepspeed")}
     bound = [b["bound_s"] for b in runs["device_bound"]]
     over_bound = [u / b for u, b in zip(update["tierstore"], bound, strict=True)]
@@ -317,6 +325,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             "elapsed_s": round(time.perf_counter() - started, 1),
         },
         "runs": runs,
+        "profile_seconds": profile,
         "summary": {
             "tierstore_update_s": spread(update["tierstore"]),
             "deepspeed_update_s": spread(update["deepspeed"]),

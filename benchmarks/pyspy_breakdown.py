@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,7 +36,7 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
 
 def record(command: list[str], output: Path) -> None:
     """Run ``command`` under py-spy, writing raw samples to ``output``."""
-    spy = shutil.which("py-spy")
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:
         raise RuntimeError("py-spy is not installed: pip install py-spy")
     done = subprocess.run(
@@ -62,14 +63,18 @@ def record(command: list[str], output: Path) -> None:
         raise RuntimeError(f"py-spy failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def breakdown(raw: Path) -> dict[str, dict[str, float]]:
-    """Seconds per category per thread group, from py-spy's raw output."""
+def breakdown(raw: Path, phase: re.Pattern[str]) -> dict[str, dict[str, float]]:
+    """Seconds per category per thread group, from py-spy's raw output. The main thread counts
+    only inside ``phase`` (a frame rule, e.g. the optimizer's ``step``); other threads cannot be
+    told apart by phase and count over the whole run."""
     seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        thread = frames[0].partition(": ")[2]
-        seconds[_group(thread)][_category(frames[1:])] += int(count) / RATE
+        group = _group(frames[0].partition(": ")[2])
+        if group == "main" and not any(phase.search(frame) for frame in frames[1:]):
+            continue
+        seconds[group][_category(frames[1:])] += int(count) / RATE
     return {group: {k: round(v, 2) for k, v in sorted(c.items())} for group, c in sorted(seconds.items())}
 
 
