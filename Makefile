@@ -15,11 +15,11 @@ $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
 	touch $@
 
-$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+$(VENV)/.runtime: pyproject.toml setup.py $(VENV)/.torch
 	$(BIN)/pip install -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml $(VENV)/.torch
+$(VENV)/.test: pyproject.toml setup.py $(VENV)/.torch
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
