@@ -45,7 +45,7 @@ __all__ = [
     "validate_config",
 ]
 
-_RESOLVED_BY_TIERSTORE = (
+_READ_BY_TIERSTORE = (  # "auto" here: neither Trainer/Accelerate nor tierstore can fill it
     "zero_optimization.stage",
     "zero_optimization.offload_optimizer.device",
     "zero_optimization.offload_optimizer.nvme_path",
@@ -117,7 +117,7 @@ def validate_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[
     read (ZeRO stage, offload device and path, optimizer type) it is a :class:`ConfigError`.
     """
     config = read_config(config)
-    for field in _RESOLVED_BY_TIERSTORE:
+    for field in _READ_BY_TIERSTORE:
         if _lookup(config, field) == AUTO:
             raise ConfigError(
                 f"{field}: 'auto' is resolved by neither Trainer/Accelerate nor tierstore; give the value"
@@ -213,6 +213,7 @@ def _stock_initialize(deepspeed: Any) -> Callable[..., Any]:
 
 
 def is_enabled() -> bool:
+    """Whether :func:`enable` has replaced ``deepspeed.initialize`` (and :func:`disable` not yet)."""
     return "initialize" in _replaced
 
 
