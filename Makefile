@@ -15,13 +15,13 @@ $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
 	touch $@
 
-$(VENV)/.runtime: pyproject.toml $(VENV)/.torch
+$(VENV)/.runtime: pyproject.toml setup.py $(VENV)/.torch
 	$(BIN)/pip install -e .
 	touch $@
 
 # apollo-torch is the tests' oracle for OffloadedAPOLLO, not a dependency (CC-BY-NC; it requires
 # transformers and bitsandbytes for optimizers the tests never load): no deps, pinned.
-$(VENV)/.test: pyproject.toml $(VENV)/.torch
+$(VENV)/.test: pyproject.toml setup.py $(VENV)/.torch
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --no-deps 'apollo-torch==1.0.3'
 	touch $@

@@ -22,8 +22,10 @@ pytest.importorskip("deepspeed")
 import torch
 from tierstore.integrations.deepspeed import check_deepspeed_version, validate_config
 from tierstore.integrations.deepspeed.example import GPT
+from tierstore.integrations.deepspeed.seams import LEGACY_MANIFEST, SNAPSHOT, migrate_legacy_snapshot
 
 from tierstore import ConfigError, UnsupportedVersionError
+from tierstore.snapshot import open_snapshot
 
 SMALL = ["--layers", "2", "--width", "256", "--heads", "4", "--vocab", "2048", "--sub-group-size", "1000000"]
 BF16_TOLERANCE = 2e-2  # relative; bf16 keeps 8 bits of mantissa
@@ -58,8 +60,8 @@ def train(*args: str, world: int = 1, output: Path) -> list[dict[str, Any]]:
         )
         for rank in range(world)
     ]
-    # Generous: on a CPU without native bf16 the 55M-parameter runs take ~7 minutes each.
-    logs = [process.communicate(timeout=1800)[0] for process in processes]
+    # Generous: on a CPU without native bf16 the 10M-parameter runs take ~80 s each.
+    logs = [process.communicate(timeout=900)[0] for process in processes]
     for process, log in zip(processes, logs, strict=True):
         assert process.returncode == 0, log[-4000:]
     rows: list[dict[str, Any]] = json.loads(output.read_text())["rows"]
@@ -78,8 +80,11 @@ def deepspeed_aio_missing() -> bool:
 
 @pytest.mark.skipif(deepspeed_aio_missing(), reason="DeepSpeed's async_io op needs Debian's libaio-dev")
 def test_losses_match_deepspeeds_own_nvme_offload(scratch: Path) -> None:
-    """The default model: a 6-block GPT of about 55M parameters in bf16, 10 steps each way."""
-    budget = ["--buffer-count", "16"]  # DRAM for 16 DeepSpeed buffers: tierstore keeps one sub-group
+    """A 2-block GPT of about 10M parameters in bf16 in 6 sub-groups, 10 steps each way (about 80 s
+    per run on 2 cores without native bf16; the benchmark runs the 55M default)."""
+    model = ["--layers", "2", "--width", "512", "--heads", "8", "--vocab", "4096"]
+    # DRAM for 16 DeepSpeed buffers of 2M elements: tierstore keeps some of the 6 sub-groups
+    budget = [*model, "--sub-group-size", "2000000", "--buffer-count", "16"]
     stock = train(
         "--offload", "deepspeed", *budget, "--nvme", str(scratch / "stock"), output=scratch / "stock.json"
     )
@@ -88,7 +93,7 @@ def test_losses_match_deepspeeds_own_nvme_offload(scratch: Path) -> None:
     assert losses(ours) == pytest.approx(losses(stock), rel=BF16_TOLERANCE)
     assert losses(ours)[-1] < losses(ours)[0] / 2  # it learns
     parameters = json.loads((scratch / "ts.json").read_text())["parameters"]
-    assert 50e6 <= parameters <= 100e6
+    assert 5e6 <= parameters <= 20e6
     for row in ours[1:]:  # fp32 state only (master + 2 moments), never an fp32 gradient
         assert 0 < row["bytes_written"] <= 12 * parameters
     for row in ours[2:]:  # the sub-group kept in DRAM skips its read and its write
@@ -197,6 +202,8 @@ def test_checkpoint_resumes_exactly(scratch: Path) -> None:
     assert [row["step"] for row in resumed] == [3, 4, 5]
     assert losses(resumed) == losses(straight)[3:]  # bit for bit: Adam state, steps, masters restored
     assert not list((scratch / "a").rglob("*.state"))  # the snapshot left the swap folder after the copy
+    assert not list((scratch / "a").rglob(SNAPSHOT))
+    assert len(list((scratch / "ckpt").rglob(SNAPSHOT))) == 1  # one snapshot file in the checkpoint
 
 
 def test_two_ranks_match_one_and_share_the_node_limit(scratch: Path) -> None:
@@ -291,3 +298,31 @@ def test_unsupported_deepspeed_versions_are_refused() -> None:
     for version in ("0.18.4", "0.20.0"):
         with pytest.raises(UnsupportedVersionError, match=f"DeepSpeed {version} is not supported"):
             check_deepspeed_version(version)
+
+
+def test_snapshots_of_the_first_format_are_migrated(tmp_path: Path) -> None:
+    """Checkpoints written before the snapshot module carried the sub-groups (a JSON manifest and
+    one raw file per sub-group) are converted in place into one snapshot file, state unchanged."""
+    states = {"12_13": torch.randn(3 * 5), "14": torch.randn(5)}
+    entries = []
+    for name, state in states.items():
+        state.numpy().tofile(tmp_path / f"{name}.state")
+        names = ["exp_avg", "exp_avg_sq"] if state.numel() == 15 else []
+        scalars = {"step": {"tensor": 3.0, "dtype": "float32"}} if names else {}
+        entries.append(
+            {"name": name, "numel": 5, "states": names, "file": f"{name}.state", "scalars": scalars}
+        )
+    extra = {"loss_scaler": {"cur_scale": 1.0}, "passes": 3, "trained_subgroups": [0]}
+    (tmp_path / LEGACY_MANIFEST).write_text(json.dumps({"format": 1, "subgroups": entries, "extra": extra}))
+    migrate_legacy_snapshot(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SNAPSHOT]
+    with open_snapshot(tmp_path / SNAPSHOT) as snapshot:
+        assert dict(snapshot.items()).keys() == states.keys()
+        for name, tensor in snapshot.items():
+            assert torch.equal(tensor, states[name]), name
+        assert snapshot.metadata["extra"] == extra
+        assert snapshot.metadata["subgroups"]["12_13"]["scalars"]["step"] == {
+            "tensor": 3.0,
+            "dtype": "float32",
+        }
+        assert snapshot.metadata["subgroups"]["14"]["states"] == []

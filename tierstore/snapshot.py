@@ -1,5 +1,9 @@
 """A store's objects as one portable HDF5 file, and back into a store with any backends.
 
+:func:`write_snapshot` and :func:`open_snapshot` are the format's one writer and reader, over any
+named tensors (the DeepSpeed integration's checkpoint of sub-group states uses them directly);
+:func:`export_hdf5` and :func:`import_hdf5` apply them to a store.
+
 Layout: one dataset per object under ``/objects``, named by position (``000000``...), holding the
 object's raw bytes as ``uint8`` (so every torch dtype, bfloat16 included, survives exactly), with
 attributes ``key``, ``dtype`` and ``shape``; the root carries ``format`` and ``count``. Any HDF5
@@ -14,7 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,88 @@ from .errors import BufferMismatchError, InvalidKeyError
 from .store import TierStore
 
 FORMAT = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name :func:`dtype_from_name` reads back (``"bfloat16"``...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, where: str) -> torch.dtype:
+    """The torch dtype called ``name``; :class:`BufferMismatchError` naming ``where`` otherwise."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise BufferMismatchError(f"{where} has unknown dtype {name!r}")
+    return dtype
+
+
+def write_snapshot(
+    path: str | os.PathLike[str],
+    objects: Iterable[tuple[str, torch.Tensor]],
+    metadata: Mapping[str, Any] | None = None,
+) -> int:
+    """Write named tensors (read one at a time from ``objects``) and ``metadata`` (JSON-ready) to
+    ``path`` atomically; returns the object count."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.tmp")
+    count = 0
+    try:
+        with h5py.File(temporary, "w") as out:
+            out.attrs["format"] = FORMAT
+            out.attrs["metadata"] = json.dumps(dict(metadata or {}))
+            group = out.create_group("objects")
+            for count, (key, tensor) in enumerate(objects, start=1):
+                raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+                dataset = group.create_dataset(f"{count - 1:06d}", data=raw)
+                dataset.attrs["key"] = key
+                dataset.attrs["dtype"] = dtype_name(tensor.dtype)
+                dataset.attrs["shape"] = np.asarray(tensor.shape, dtype=np.int64)
+            out.attrs["count"] = count
+        os.chmod(temporary, 0o600)
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return count
+
+
+class Snapshot:
+    """An open snapshot: its ``metadata`` and its named tensors, read one at a time."""
+
+    def __init__(self, path: str | os.PathLike[str], source: h5py.File) -> None:
+        self.path = path
+        self._objects = source["objects"]
+        self.metadata: dict[str, Any] = json.loads(source.attrs["metadata"])
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in sorted(self._objects):
+            dataset = self._objects[name]
+            dtype = dtype_from_name(str(dataset.attrs["dtype"]), f"{self.path}: object {name}")
+            shape = tuple(int(n) for n in dataset.attrs["shape"])
+            raw = torch.from_numpy(dataset[()])
+            if raw.numel() != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                raise BufferMismatchError(
+                    f"{self.path}: object {name} holds {raw.numel()} bytes, not {dtype} {shape}"
+                )
+            tensor = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
+            yield str(dataset.attrs["key"]), tensor
+
+
+@contextmanager
+def open_snapshot(path: str | os.PathLike[str]) -> Iterator[Snapshot]:
+    """Open a snapshot written by :func:`write_snapshot`, checking its header."""
+    try:
+        source = h5py.File(path, "r")
+    except OSError as error:
+        raise BufferMismatchError(f"{path} is not a readable HDF5 snapshot: {error}") from None
+    with source:
+        if source.attrs.get("format") != FORMAT or "objects" not in source:
+            raise BufferMismatchError(f"{path} is not a tierstore snapshot (format {FORMAT})")
+        if len(source["objects"]) != int(source.attrs["count"]):
+            raise BufferMismatchError(
+                f"{path}: {len(source['objects'])} objects, the header says {source.attrs['count']}"
+            )
+        yield Snapshot(path, source)
 
 
 def export_hdf5(
@@ -40,58 +127,14 @@ def export_hdf5(
     if one_string or not (keys is None or isinstance(keys, Iterable)):
         raise InvalidKeyError(f"export_hdf5 takes an iterable of keys or None, not {keys!r}: use [key]")
     store.flush()
-    target = Path(path)
-    temporary = target.with_name(f".{target.name}.tmp")
     selected = store.keys() if keys is None else list(keys)
-    try:
-        with h5py.File(temporary, "w") as out:
-            out.attrs["format"] = FORMAT
-            out.attrs["metadata"] = json.dumps(dict(metadata or {}))
-            objects = out.create_group("objects")
-            for index, key in enumerate(selected):
-                tensor = store.get(key, cache=False).result()
-                raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-                dataset = objects.create_dataset(f"{index:06d}", data=raw)
-                dataset.attrs["key"] = key
-                dataset.attrs["dtype"] = str(tensor.dtype).removeprefix("torch.")
-                dataset.attrs["shape"] = np.asarray(tensor.shape, dtype=np.int64)
-            out.attrs["count"] = len(selected)
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return len(selected)
+    objects = ((key, store.get(key, cache=False).result()) for key in selected)
+    return write_snapshot(path, objects, metadata)
 
 
 def import_hdf5(path: str | os.PathLike[str], store: TierStore) -> dict[str, Any]:
     """Put every object of a snapshot into ``store`` (same keys); returns its metadata."""
-    try:
-        source = h5py.File(path, "r")
-    except OSError as error:
-        raise BufferMismatchError(f"{path} is not a readable HDF5 snapshot: {error}") from None
-    with source:
-        if source.attrs.get("format") != FORMAT or "objects" not in source:
-            raise BufferMismatchError(f"{path} is not a tierstore snapshot (format {FORMAT})")
-        objects = source["objects"]
-        if len(objects) != int(source.attrs["count"]):
-            raise BufferMismatchError(
-                f"{path}: {len(objects)} objects, the header says {source.attrs['count']}"
-            )
-        for name in sorted(objects):
-            dataset = objects[name]
-            dtype = getattr(torch, str(dataset.attrs["dtype"]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise BufferMismatchError(
-                    f"{path}: object {name} has unknown dtype {dataset.attrs['dtype']!r}"
-                )
-            shape = tuple(int(n) for n in dataset.attrs["shape"])
-            raw = torch.from_numpy(dataset[()])
-            if raw.numel() != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-                raise BufferMismatchError(
-                    f"{path}: object {name} holds {raw.numel()} bytes, not {dtype} {shape}"
-                )
-            tensor = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
-            store.put(str(dataset.attrs["key"]), tensor).result()
-        metadata: dict[str, Any] = json.loads(source.attrs["metadata"])
-        return metadata
+    with open_snapshot(path) as snapshot:
+        for key, tensor in snapshot.items():
+            store.put(key, tensor).result()
+        return snapshot.metadata

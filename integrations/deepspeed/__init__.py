@@ -11,68 +11,117 @@ Everything else (``engine.backward``, ``engine.step``, ``save_checkpoint``, ``lo
 is DeepSpeed's own. With ``tierstore.activations`` in the section, the engine's forward also
 spills the activations it saves through the same store (``engine.tierstore_activations``).
 No DeepSpeed file is edited; the seams are in :mod:`.seams`.
+
+Where DeepSpeed is started by someone else (Hugging Face ``Trainer``, Accelerate), :func:`enable`
+routes every later ``deepspeed.initialize`` whose config has a ``tierstore`` section through
+:func:`initialize`; configs without one stay on stock DeepSpeed. ``TIERSTORE_DEEPSPEED=1`` does the
+same without code (see :mod:`.hook`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any
 
 from tierstore.errors import ConfigError, UnsupportedVersionError
 
-from .config import SECTION, TierstoreSection, parse_section
+from . import hook
+from .config import AUTO, SECTION, TierstoreSection, parse_section
 
-__all__ = ["SECTION", "TierstoreSection", "check_deepspeed_version", "initialize", "validate_config"]
+__all__ = [
+    "SECTION",
+    "TierstoreSection",
+    "check_deepspeed_version",
+    "check_huggingface_versions",
+    "disable",
+    "enable",
+    "initialize",
+    "is_enabled",
+    "validate_config",
+]
+
+_READ_BY_TIERSTORE = (  # "auto" here: neither Trainer/Accelerate nor tierstore can fill it
+    "zero_optimization.stage",
+    "zero_optimization.offload_optimizer.device",
+    "zero_optimization.offload_optimizer.nvme_path",
+    "optimizer.type",
+)
 
 
-def supported_versions() -> str:
-    """The DeepSpeed versions this install supports: the ``deepspeed`` extra's specifier."""
+def supported_versions(package: str = "deepspeed", extra: str = "deepspeed") -> str:
+    """The versions of ``package`` this install supports: its specifier in tierstore's ``extra``."""
     from packaging.requirements import Requirement
 
     for text in metadata.requires("tierstore") or []:
         requirement = Requirement(text)
-        if requirement.name == "deepspeed":
+        if (
+            requirement.name == package
+            and requirement.marker is not None
+            and requirement.marker.evaluate({"extra": extra})
+        ):
             return str(requirement.specifier)
-    raise UnsupportedVersionError("tierstore's metadata names no supported DeepSpeed version")
+    raise UnsupportedVersionError(f"tierstore's metadata names no supported {package} version")
+
+
+def _check_version(package: str, extra: str, installed: str | None, required: bool) -> str | None:
+    from packaging.specifiers import SpecifierSet
+
+    supported = supported_versions(package, extra)
+    name = {"deepspeed": "DeepSpeed", "accelerate": "Accelerate"}.get(package, package)
+    if installed is None:
+        try:
+            installed = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            if not required:
+                return None
+            raise UnsupportedVersionError(
+                f"{name} is not installed; pip install 'tierstore[{extra}]' ({package}{supported})"
+            ) from None
+    if installed not in SpecifierSet(supported, prereleases=True):
+        raise UnsupportedVersionError(
+            f"{name} {installed} is not supported: tierstore is tested with {package}{supported} "
+            f"(pip install 'tierstore[{extra}]')"
+        )
+    return installed
 
 
 def check_deepspeed_version(installed: str | None = None) -> str:
     """The installed DeepSpeed version, or :class:`UnsupportedVersionError` if it is missing or
     outside the supported range."""
-    from packaging.specifiers import SpecifierSet
+    version = _check_version("deepspeed", "deepspeed", installed, required=True)
+    assert version is not None  # required: a missing DeepSpeed raised
+    return version
 
-    supported = supported_versions()
-    if installed is None:
-        try:
-            installed = metadata.version("deepspeed")
-        except metadata.PackageNotFoundError:
-            raise UnsupportedVersionError(
-                f"DeepSpeed is not installed; pip install 'tierstore[deepspeed]' (deepspeed{supported})"
-            ) from None
-    if installed not in SpecifierSet(supported, prereleases=True):
-        raise UnsupportedVersionError(
-            f"DeepSpeed {installed} is not supported: tierstore plugs into deepspeed{supported} "
-            "(pip install 'tierstore[deepspeed]')"
-        )
-    return installed
+
+def check_huggingface_versions(installed: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The installed transformers/accelerate versions (those present), refused outside the
+    ``huggingface`` extra's range: they decide how the config reaches ``deepspeed.initialize``."""
+    found = {}
+    for package in ("transformers", "accelerate"):
+        version = _check_version(package, "huggingface", (installed or {}).get(package), required=False)
+        if version is not None:
+            found[package] = version
+    return found
 
 
 def validate_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """The DeepSpeed config as a dict, checked for what tierstore needs; errors name the field."""
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config) as source:
-                config = json.load(source)
-        except (OSError, json.JSONDecodeError) as error:
-            raise ConfigError(f"cannot read the DeepSpeed config {config}: {error}") from None
-    if not isinstance(config, Mapping):
-        raise ConfigError(
-            f"the DeepSpeed config must be a mapping or a JSON file, not {type(config).__name__}"
-        )
-    config = dict(config)
+    """The DeepSpeed config as a dict, checked for what tierstore needs; errors name the field.
+
+    ``"auto"`` (Hugging Face's placeholder) is accepted where DeepSpeed or ``Trainer`` resolves it
+    and, in the ``tierstore`` section, means the field's default; in a field tierstore itself must
+    read (ZeRO stage, offload device and path, optimizer type) it is a :class:`ConfigError`.
+    """
+    config = read_config(config)
+    for field in _READ_BY_TIERSTORE:
+        if _lookup(config, field) == AUTO:
+            raise ConfigError(
+                f"{field}: 'auto' is resolved by neither Trainer/Accelerate nor tierstore; give the value"
+            )
     parse_section(config)
     zero = config.get("zero_optimization") or {}
     if zero.get("stage") != 3:
@@ -99,23 +148,119 @@ def validate_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[
     return config
 
 
-def initialize(*, config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any) -> Any:
+def read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """A DeepSpeed config given as a mapping or a JSON file, as a dict."""
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as source:
+                config = json.load(source)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ConfigError(f"cannot read the DeepSpeed config {config}: {error}") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"the DeepSpeed config must be a mapping or a JSON file, not {type(config).__name__}"
+        )
+    return dict(config)
+
+
+def _lookup(config: Mapping[str, Any], field: str) -> Any:
+    value: Any = config
+    for key in field.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def initialize(
+    *,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    config_params: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> Any:
     """``deepspeed.initialize`` with tierstore as the ZeRO-3 optimizer-state offload.
 
     Takes the same keyword arguments (``model``, ``model_parameters``, ``training_data``...) except
-    a client ``optimizer``: the config's Adam/AdamW section builds it.
+    a client ``optimizer``: the config's Adam/AdamW section builds it. The config comes as
+    ``config`` or, as Accelerate passes it, ``config_params``.
     """
     check_deepspeed_version()
     if kwargs.get("optimizer") is not None:
         raise ConfigError("optimizer: pass the optimizer through the config's 'optimizer' section")
-    checked = validate_config(config)
+    source = config if config is not None else config_params
+    if source is None or (config is not None and config_params is not None):
+        raise ConfigError("config: give the DeepSpeed config as exactly one of config or config_params")
+    checked = validate_config(source)
     section = parse_section(checked)
     import deepspeed
 
-    from .seams import offload_activations, substituted_optimizer
+    from .seams import offload_activations, substituted_optimizer, tierstore_checkpoints
 
     with substituted_optimizer():
-        result = deepspeed.initialize(config=checked, **kwargs)
+        result = _stock_initialize(deepspeed)(config=checked, **kwargs)
+    tierstore_checkpoints(result[0])
     if section.activations is not None:
         offload_activations(result[0], section.activations)
     return result
+
+
+_replaced: dict[str, Callable[..., Any]] = {}
+"""DeepSpeed's own functions that :func:`enable` replaced, by name, until :func:`disable`."""
+
+
+def _stock_initialize(deepspeed: Any) -> Callable[..., Any]:
+    return _replaced.get("initialize", deepspeed.initialize)
+
+
+def is_enabled() -> bool:
+    """Whether :func:`enable` has replaced ``deepspeed.initialize`` (and :func:`disable` not yet)."""
+    return "initialize" in _replaced
+
+
+def enable() -> None:
+    """Route every later ``deepspeed.initialize`` whose config (``config`` or ``config_params``)
+    has a ``tierstore`` section through :func:`initialize`; others reach DeepSpeed untouched.
+
+    Idempotent. Checks the DeepSpeed version, and transformers/accelerate where installed.
+    """
+    check_deepspeed_version()
+    check_huggingface_versions()
+    if is_enabled():
+        return
+    import deepspeed
+
+    stock = deepspeed.initialize
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        if not _has_section(arguments.get("config", arguments.get("config_params"))):
+            return stock(*args, **kwargs)
+        return initialize(**arguments)
+
+    _replaced["initialize"] = stock
+    deepspeed.initialize = routed
+
+
+def disable() -> None:
+    """Put DeepSpeed's own ``initialize`` back (a no-op when not enabled)."""
+    if is_enabled():
+        import deepspeed
+
+        deepspeed.initialize = _replaced.pop("initialize")
+
+
+def _has_section(config: Any) -> bool:
+    """Whether a config (as ``deepspeed.initialize`` takes it) has a ``tierstore`` section; one
+    that cannot be read is left to DeepSpeed to report."""
+    if config is None:
+        return False
+    try:
+        return SECTION in read_config(config)
+    except ConfigError:
+        return False
+
+
+if hook.requested():  # TIERSTORE_DEEPSPEED=1 without the .pth (e.g. an install that skipped it)
+    hook.install()

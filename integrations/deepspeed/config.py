@@ -15,7 +15,9 @@ unknown keys, so the section sits at the top level::
         "activations": {"budget": "2GiB", "min_bytes": "1MiB", "plan": "lifetime"}
     }
 
-Without ``tiers``, one NVMe tier under ``offload_optimizer.nvme_path`` is used.
+Without ``tiers``, one NVMe tier under ``offload_optimizer.nvme_path`` is used. A key of the section
+or of ``activations`` set to ``"auto"`` (Hugging Face's placeholder) takes its default; ``"auto"``
+anywhere else in the section is an error naming the field.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tierstore.config import CacheConfig, StoreConfig, TierConfig
 from tierstore.errors import ConfigError, config_error_from_validation
 
 SECTION = "tierstore"
+AUTO = "auto"
 
 
 class ActivationsSection(BaseModel):
@@ -92,7 +95,26 @@ def parse_section(ds_config: Mapping[str, Any]) -> TierstoreSection:
     raw = ds_config.get(SECTION)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{SECTION}: the DeepSpeed config needs a '{SECTION}' section (a mapping)")
+    section = _without_auto(raw)
+    if isinstance(section.get("activations"), Mapping):
+        section["activations"] = _without_auto(section["activations"])
+    _refuse_auto(section, SECTION)
     try:
-        return TierstoreSection.model_validate(dict(raw))
+        return TierstoreSection.model_validate(section)
     except ValidationError as error:
         raise config_error_from_validation(error, SECTION) from None
+
+
+def _without_auto(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in raw.items() if value != AUTO}
+
+
+def _refuse_auto(value: Any, field: str) -> None:
+    """An ``"auto"`` left where no default applies (inside ``tiers``) names its field."""
+    if value == AUTO:
+        raise ConfigError(f"{field}: 'auto' has no default here; give the value")
+    items = (
+        value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+    )
+    for key, item in items:
+        _refuse_auto(item, f"{field}.{key}")

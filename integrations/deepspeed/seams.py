@@ -21,8 +21,13 @@ Nothing here edits DeepSpeed; each seam is an override or a scoped substitution,
    :class:`~tierstore.activations.ActivationOffload` on the swapper's store.
 7. Checkpoints: the engine copies ``swapper.swap_folder`` into ``<tag>/offloaded_tensors/rankNN``
    on save and back on load, then calls ``reset_swap_buffers``. ``_rigid_state_dict`` (save)
-   exports a snapshot there (state objects, Adam step counts, loss scaler); ``reset_swap_buffers``
-   (load) restores it; ``checkpoint_event_epilogue`` removes it again.
+   exports a snapshot there (one :mod:`tierstore.snapshot` file: state objects, Adam step counts,
+   loss scaler); ``reset_swap_buffers`` (load) restores it, or imports a checkpoint of DeepSpeed's
+   own NVMe offload (its ZeRO checkpoint file and swap files); ``checkpoint_event_epilogue``
+   removes them again.
+8. ``engine.save_checkpoint``/``load_checkpoint``: :func:`tierstore_checkpoints` wraps them (instance
+   attributes) so that stock DeepSpeed refuses a tierstore checkpoint loudly instead of silently
+   restarting from fresh optimizer state, and so that an import finds DeepSpeed's ZeRO file.
 
 Parameters without a gradient on a step (a module unused on that step), as stock DeepSpeed 0.19.8
 ZeRO-3 with its optimizer on NVMe does it (checked by running it; the integration's tests compare):
@@ -57,6 +62,7 @@ import os
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +75,17 @@ from tierstore.optimizer.staging import FP32, SubGroupStager
 
 from tierstore.buffers import aligned_tensor
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError, UnsupportedVersionError
+from tierstore.snapshot import dtype_from_name, dtype_name, open_snapshot, write_snapshot
 from tierstore.store import TierStore
 
-from .config import ActivationsSection, TierstoreSection, parse_section
+from .config import SECTION, ActivationsSection, TierstoreSection, parse_section
 
 _BaseOptimizer: Any = stage3.DeepSpeedZeroOptimizer_Stage3
 MAX_STATE_TENSORS = 2  # Adam/AdamW: exp_avg, exp_avg_sq
-MANIFEST = "tierstore-snapshot.json"
+SNAPSHOT = "tierstore-snapshot.h5"
+"""The sub-groups' state in a checkpoint (:func:`tierstore.snapshot.write_snapshot`'s format)."""
+SNAPSHOT_FORMAT = 2  # 1: a JSON manifest and one raw file per sub-group (migrated on load)
+LEGACY_MANIFEST = "tierstore-snapshot.json"
 _RELIED_ON = (
     "_configure_tensor_swapping",
     "_offload_grad_partition_at_boundary",
@@ -97,12 +107,20 @@ _RELIED_ON = (
 )
 
 
+_ENGINE_RELIED_ON = ("save_checkpoint", "load_checkpoint", "_get_zero_ckpt_name")
+
+
 def check_seams() -> None:
     """Fail clearly if this DeepSpeed lacks a method the overrides rely on."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     missing = [name for name in _RELIED_ON if not callable(getattr(_BaseOptimizer, name, None))]
+    missing += [name for name in _ENGINE_RELIED_ON if not callable(getattr(DeepSpeedEngine, name, None))]
     if missing:
         raise UnsupportedVersionError(
-            "this DeepSpeed's ZeRO-3 optimizer lacks " + ", ".join(missing) + "; tierstore cannot plug in"
+            "this DeepSpeed's ZeRO-3 optimizer or engine lacks "
+            + ", ".join(missing)
+            + "; tierstore cannot plug in"
         )
 
 
@@ -135,6 +153,65 @@ def offload_activations(engine: Any, settings: ActivationsSection) -> Activation
     engine.tierstore_activations = offload
     weakref.finalize(engine, offload.close)
     return offload
+
+
+_loading_with_tierstore: ContextVar[bool] = ContextVar("tierstore_loading", default=False)
+
+
+def tierstore_checkpoints(engine: Any) -> None:
+    """Seam 8: wrap the engine's ``save_checkpoint`` (instance attributes over the methods, which
+    ``Trainer`` reaches through ``model_wrapped``) to put a :class:`TierstoreCheckpointMark` into the
+    engine's model-states file, and ``load_checkpoint`` to accept it and to tell the optimizer
+    which ZeRO checkpoint file the load reads (the engine skips that file with NVMe offload)."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(
+        save_dir: str, tag: Any = None, client_state: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        client_state = {**(client_state or {}), CHECKPOINT_MARK: TierstoreCheckpointMark()}
+        return save(save_dir, tag, client_state, *args, **kwargs)
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        latest = os.path.join(load_dir, "latest")
+        if tag is None and os.path.isfile(latest):
+            with open(latest) as source:
+                tag = source.read().strip()
+        if tag is not None:
+            engine.optimizer.tierstore_checkpoint_file = engine._get_zero_ckpt_name(load_dir, tag)
+        token = _loading_with_tierstore.set(True)
+        try:
+            return load(load_dir, tag, *args, **kwargs)
+        finally:
+            _loading_with_tierstore.reset(token)
+            engine.optimizer.tierstore_checkpoint_file = None
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+
+
+CHECKPOINT_MARK = "tierstore"
+
+
+class TierstoreCheckpointMark:
+    """Pickled into a tierstore checkpoint's model-states file, which every DeepSpeed load reads:
+    unpickling it outside a tierstore load fails, so stock DeepSpeed (whose NVMe-offload load
+    would ignore tierstore's state and silently go on from its own fresh swap files) stops."""
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (_check_tierstore_load, (SNAPSHOT_FORMAT,))
+
+
+def _check_tierstore_load(snapshot_format: int) -> dict[str, int]:
+    if not _loading_with_tierstore.get():
+        raise ConfigError(
+            f"{SECTION}: this checkpoint's optimizer state was written by tierstore; load it with a "
+            f"'{SECTION}' section in the DeepSpeed config and tierstore enabled "
+            "(TIERSTORE_DEEPSPEED=1 or tierstore.integrations.deepspeed.enable()): stock DeepSpeed "
+            "would restart from its own initial optimizer state"
+        )
+    return {"snapshot_format": snapshot_format}
 
 
 class TierStoreSwapper:
@@ -287,61 +364,85 @@ class TierStoreSwapper:
 
     def export_snapshot(self, extra: dict[str, Any]) -> None:
         """Write every sub-group's state, the optimizer's per-sub-group scalars (step counts) and
-        ``extra`` into ``swap_folder``, for the engine to copy into the checkpoint."""
-        entries = []
-        for name, parameter in self._parameters.items():
-            file = f"{name}.state"
-            self.stager.read(name).numpy().tofile(os.path.join(self.swap_folder, file))
-            entries.append(
-                {
-                    "name": name,
-                    "numel": self._numels[name],
-                    "states": list(self._state_names[name]),
-                    "file": file,
-                    "scalars": _encode_scalars(self.optimizer.state.get(parameter, {}), name),
-                }
-            )
-        manifest = {"format": 1, "subgroups": entries, "extra": extra}
-        with open(os.path.join(self.swap_folder, MANIFEST), "w") as out:
-            json.dump(manifest, out)
+        ``extra`` into ``swap_folder`` as one snapshot file, for the engine to copy into the
+        checkpoint (its copy takes any files: no raw layout is needed)."""
+        subgroups = {
+            name: {
+                "numel": self._numels[name],
+                "states": list(self._state_names[name]),
+                "scalars": _encode_scalars(self.optimizer.state.get(parameter, {}), name),
+            }
+            for name, parameter in self._parameters.items()
+        }
+        objects = ((name, self.stager.read(name)) for name in self._parameters)
+        write_snapshot(
+            os.path.join(self.swap_folder, SNAPSHOT),
+            objects,
+            {"format": SNAPSHOT_FORMAT, "subgroups": subgroups, "extra": extra},
+        )
 
     def restore_snapshot(self) -> dict[str, Any]:
         """Rewrite the store from the snapshot the engine copied into ``swap_folder``; returns its
         ``extra``. The model's sub-groups must match the saved ones (same model, sub_group_size and
-        world size)."""
-        path = os.path.join(self.swap_folder, MANIFEST)
-        try:
-            with open(path) as source:
-                manifest = json.load(source)
-        except FileNotFoundError:
-            raise BufferMismatchError(f"{path}: the checkpoint has no tierstore snapshot") from None
-        saved = {entry["name"]: entry for entry in manifest["subgroups"]}
-        if {name: entry["numel"] for name, entry in saved.items()} != self._numels:
-            raise BufferMismatchError(
-                "the checkpoint's sub-groups differ from this model's (model, sub_group_size and world "
-                "size must match the run that saved it)"
-            )
+        world size). A snapshot in the first format (JSON and raw files) is converted first."""
+        path = os.path.join(self.swap_folder, SNAPSHOT)
+        if not os.path.exists(path):
+            if not os.path.exists(os.path.join(self.swap_folder, LEGACY_MANIFEST)):
+                raise BufferMismatchError(f"{path}: the checkpoint has no tierstore snapshot")
+            migrate_legacy_snapshot(self.swap_folder)
+        with open_snapshot(path) as snapshot:
+            saved = snapshot.metadata["subgroups"]
+            if {name: entry["numel"] for name, entry in saved.items()} != self._numels:
+                raise BufferMismatchError(
+                    "the checkpoint's sub-groups differ from this model's (model, sub_group_size and "
+                    "world size must match the run that saved it)"
+                )
+            self.stager.drop_resident()
+            for name, state in snapshot.items():
+                entry = saved[name]
+                states = tuple(entry["states"])
+                if len(states) > MAX_STATE_TENSORS or state.numel() != (1 + len(states)) * entry["numel"]:
+                    raise BufferMismatchError(f"{path}: sub-group {name} does not hold its {states}")
+                self._restore(name, state, states, _decode_scalars(entry["scalars"], f"{path}: {name}"))
+            self.stager.wait_writes()
+            extra: dict[str, Any] = snapshot.metadata["extra"]
+            return extra
+
+    def import_deepspeed_state(
+        self,
+        parameters: Sequence[torch.Tensor],
+        masters: Sequence[torch.Tensor],
+        saved: Sequence[dict[str, Any]],
+    ) -> None:
+        """Take the sub-groups' state from a checkpoint of DeepSpeed's own NVMe offload: per
+        sub-group (``parameters``, the live fp32 partitions), the master and optimizer state it kept
+        in its ZeRO checkpoint (``masters``, ``saved``), and for what it had swapped (empty there)
+        its files, which the engine copied into ``swap_folder``."""
         self.stager.drop_resident()
-        for name, entry in saved.items():
-            states = tuple(entry["states"])
+        for parameter, master, entry in zip(parameters, masters, saved, strict=True):
+            name = self._name(parameter)
+            numel = self._numels[name]
+            states = tuple(key for key, value in entry.items() if torch.is_tensor(value) and value.dim() == 1)
             if len(states) > MAX_STATE_TENSORS:
-                raise BufferMismatchError(f"{path}: sub-group {name} has {len(states)} state tensors")
-            elements = (1 + len(states)) * entry["numel"]
-            file = os.path.join(self.swap_folder, entry["file"])
-            self.stager.write(name, elements, lambda state, file=file: _read_exactly(file, state))
-            self._state_names[name] = states
-            state_entry = self.optimizer.state[self._parameters[name]]
-            for key in states:
-                state_entry.setdefault(key, torch.empty(0))
-            state_entry.update(_decode_scalars(entry["scalars"]))
+                raise BufferMismatchError(f"sub-group {name}: {len(states)} optimizer state tensors")
+            state = torch.empty((1 + len(states)) * numel, dtype=torch.float32)
+            sources = [
+                (f"{name}.tensor.swp", master),
+                *((f"{k}-{name}.tensor.swp", entry[k]) for k in states),
+            ]
+            for slot, (file, value) in enumerate(sources):
+                target = state[slot * numel : (slot + 1) * numel]
+                if value.numel() == numel:
+                    target.copy_(value)
+                else:  # DeepSpeed had swapped it: its file holds it (padded to its alignment)
+                    _read_prefix(os.path.join(self.swap_folder, file), target)
+            self._restore(name, state, states, {k: v for k, v in entry.items() if k not in states})
         self.stager.wait_writes()
-        extra: dict[str, Any] = manifest["extra"]
-        return extra
 
     def clear_snapshot(self) -> None:
-        """Remove an exported or restored snapshot from ``swap_folder``."""
+        """Remove an exported or restored snapshot (or imported DeepSpeed files) from ``swap_folder``."""
         for entry in os.scandir(self.swap_folder):
-            if entry.name == MANIFEST or entry.name.endswith(".state"):
+            if entry.name in (SNAPSHOT, LEGACY_MANIFEST) or entry.name.endswith((".state", ".tensor.swp")):
                 os.unlink(entry.path)
 
     def close(self) -> None:
@@ -352,6 +453,18 @@ class TierStoreSwapper:
     @staticmethod
     def _name(parameter: torch.Tensor) -> str:
         return str(parameter.ds_id)  # type: ignore[attr-defined]
+
+    def _restore(
+        self, name: str, state: torch.Tensor, states: tuple[str, ...], scalars: dict[str, Any]
+    ) -> None:
+        """Write a sub-group's ``[master | states...]`` to the store and its scalars (Adam's step)
+        into the optimizer's state, the tensors to be laid out at the next swap-in."""
+        self.stager.write(name, state.numel(), lambda buffer: buffer.copy_(state))
+        self._state_names[name] = states
+        entry = self.optimizer.state[self._parameters[name]]
+        for key in states:
+            entry.setdefault(key, torch.empty(0))
+        entry.update(scalars)
 
     def _register(self, parameter: torch.Tensor, numel: int) -> str:
         name = self._name(parameter)
@@ -366,7 +479,7 @@ def _encode_scalars(entry: dict[str, Any], name: str) -> dict[str, Any]:
     encoded: dict[str, Any] = {}
     for key, value in entry.items():
         if torch.is_tensor(value) and value.dim() == 0:
-            encoded[key] = {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+            encoded[key] = {"tensor": value.item(), "dtype": dtype_name(value.dtype)}
         elif isinstance(value, (bool, int, float)):
             encoded[key] = value
         elif not torch.is_tensor(value):
@@ -376,20 +489,54 @@ def _encode_scalars(entry: dict[str, Any], name: str) -> dict[str, Any]:
     return encoded
 
 
-def _decode_scalars(encoded: dict[str, Any]) -> dict[str, Any]:
+def _decode_scalars(encoded: dict[str, Any], where: str) -> dict[str, Any]:
     return {
-        key: torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+        key: torch.tensor(value["tensor"], dtype=dtype_from_name(value["dtype"], f"{where}: {key}"))
         if isinstance(value, dict)
         else value
         for key, value in encoded.items()
     }
 
 
-def _read_exactly(file: str, target: torch.Tensor) -> None:
-    with open(file, "rb") as source:
-        got = source.readinto(target.numpy().data.cast("B"))
-        if got != target.numel() * target.element_size() or source.read(1):
-            raise BufferMismatchError(f"{file}: size does not match the sub-group's state")
+def _read_prefix(file: str, target: torch.Tensor) -> None:
+    """Fill ``target`` from the start of ``file``, which must hold at least that many bytes."""
+    try:
+        with open(file, "rb") as source:
+            got = source.readinto(target.numpy().data.cast("B"))
+    except FileNotFoundError:
+        raise BufferMismatchError(f"{file}: missing from the checkpoint's offloaded tensors") from None
+    if got != target.numel() * target.element_size():
+        raise BufferMismatchError(f"{file}: holds {got} bytes, the sub-group needs {target.nbytes}")
+
+
+def migrate_legacy_snapshot(folder: str | os.PathLike[str]) -> Path:
+    """Convert a snapshot of the first format (``tierstore-snapshot.json`` and one raw ``.state``
+    file per sub-group, written before 2026-11-23) into the current one, in place."""
+    manifest_path = os.path.join(folder, LEGACY_MANIFEST)
+    with open(manifest_path) as source:
+        manifest = json.load(source)
+    entries = manifest["subgroups"]
+
+    def objects() -> Iterator[tuple[str, torch.Tensor]]:
+        for entry in entries:
+            file = os.path.join(folder, entry["file"])
+            state = torch.empty((1 + len(entry["states"])) * entry["numel"], dtype=torch.float32)
+            _read_prefix(file, state)
+            if os.path.getsize(file) != state.nbytes:
+                raise BufferMismatchError(f"{file}: size does not match the sub-group's state")
+            yield entry["name"], state
+
+    subgroups = {
+        entry["name"]: {key: entry[key] for key in ("numel", "states", "scalars")} for entry in entries
+    }
+    target = Path(folder) / SNAPSHOT
+    write_snapshot(
+        target, objects(), {"format": SNAPSHOT_FORMAT, "subgroups": subgroups, "extra": manifest["extra"]}
+    )
+    for entry in entries:
+        os.unlink(os.path.join(folder, entry["file"]))
+    os.unlink(manifest_path)
+    return target
 
 
 class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
@@ -401,6 +548,8 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         self._tierstore_passes = 0
         self._trained_subgroups: set[int] = set()
         """Sub-groups with a parameter that has had a gradient: the others get no ``.grad``."""
+        self.tierstore_checkpoint_file: str | None = None
+        """The ZeRO checkpoint file of the load under way (set by :func:`tierstore_checkpoints`)."""
         super().__init__(*args, ds_config=ds_config, **kwargs)
         self._grad_offsets = [0, *itertools.accumulate(self.fp16_partitioned_groups_flat_numel)]
         self._tierstore_ready = True
@@ -491,13 +640,55 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         return state
 
     def reset_swap_buffers(self) -> None:
-        extra = self.optimizer_swapper.restore_snapshot()
-        for key, value in extra["loss_scaler"].items():
-            setattr(self.loss_scaler, key, value)
-        self._tierstore_passes = int(extra["passes"])
-        # snapshots from before this was recorded: every sub-group counted as trained
-        self._trained_subgroups = set(extra.get("trained_subgroups", range(len(self.fp16_groups))))
+        """The engine has copied the checkpoint's offloaded tensors into ``swap_folder``: tierstore's
+        snapshot, or DeepSpeed's own swap files (a checkpoint from before tierstore was enabled).
+        The optimizer's hyperparameters (the learning rate a scheduler set...) come from the ZeRO
+        checkpoint file, which DeepSpeed's NVMe-offload load skips."""
+        folder = self.optimizer_swapper.swap_folder
+        saved = None
+        if self.tierstore_checkpoint_file is not None:
+            zero = torch.load(self.tierstore_checkpoint_file, map_location="cpu", weights_only=False)
+            saved = zero["optimizer_state_dict"]
+        if os.path.exists(os.path.join(folder, SNAPSHOT)) or os.path.exists(
+            os.path.join(folder, LEGACY_MANIFEST)
+        ):
+            extra = self.optimizer_swapper.restore_snapshot()
+            for key, value in extra["loss_scaler"].items():
+                setattr(self.loss_scaler, key, value)
+            self._tierstore_passes = int(extra["passes"])
+            # snapshots from before this was recorded: every sub-group counted as trained
+            self._trained_subgroups = set(extra.get("trained_subgroups", range(len(self.fp16_groups))))
+        elif saved is not None:
+            self._import_deepspeed_state(saved)
+        else:
+            raise BufferMismatchError(f"{folder}: the checkpoint has no tierstore snapshot")
+        if saved is not None:
+            for group, saved_group in zip(
+                self.optimizer.param_groups, saved["optimizer_state_dict"]["param_groups"], strict=True
+            ):
+                group.update({key: value for key, value in saved_group.items() if key != "params"})
         super().reset_swap_buffers()  # fp32 masters -> the model's low-precision partitions
+
+    def _import_deepspeed_state(self, saved: dict[str, Any]) -> None:
+        """From DeepSpeed's own ZeRO checkpoint (``saved``): step counts, loss scaler and the
+        sub-groups it kept in memory; from its swap files, the rest."""
+        state = saved["optimizer_state_dict"]["state"]
+        order = [  # the order DeepSpeed's _set_fp32_optimizer_param_groups gave its optimizer
+            sub_group
+            for group in range(len(self.optimizer.param_groups))
+            for sub_group in range(len(self.fp16_groups))
+            if self.sub_group_to_group_id[sub_group] == group
+        ]
+        by_sub_group = {sub_group: state.get(index, {}) for index, sub_group in enumerate(order)}
+        entries = [by_sub_group[i] for i in range(len(self.fp16_groups))]
+        self.optimizer_swapper.import_deepspeed_state(
+            self.fp32_partitioned_groups_flat, saved["fp32_flat_groups"], entries
+        )
+        for key, value in vars(saved["loss_scaler"]).items():
+            if isinstance(value, (bool, int, float)):
+                setattr(self.loss_scaler, key, value)
+        self._trained_subgroups = {i for i, entry in enumerate(entries) if entry.get("step", 0)}
+        self._tierstore_passes = 0
 
     def checkpoint_event_epilogue(self) -> None:
         super().checkpoint_event_epilogue()
