@@ -18,6 +18,7 @@ import torch
 
 from .cache import CacheEntry
 from .chain import TierChain
+from .dtypes import dtype_from_name, dtype_name
 from .errors import CapacityError, ConfigError, KeyNotFoundError
 from .manifest import Manifest, token_of
 from .tier import Placement
@@ -152,11 +153,9 @@ class Catalog:
                     f"manifest {manifest.directory}: key {key!r} lives on tier {entry['tier']!r}, which the "
                     f"config does not have (tiers: {', '.join(tiers)})"
                 )
-            dtype = getattr(torch, entry["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise ConfigError(
-                    f"manifest {manifest.directory}: key {key!r} has unknown dtype {entry['dtype']!r}"
-                )
+            dtype = dtype_from_name(
+                entry["dtype"], f"manifest {manifest.directory}: key {key!r}", ConfigError
+            )
             try:
                 placement = self.chain.adopt(entry["tier"], entry)
             except CapacityError:
@@ -174,7 +173,7 @@ def _manifest_entry(record: Record, placement: Placement) -> dict[str, Any]:
     object ``name``, whose extents are ``extents``), so older entries keep their meaning."""
     entry = {
         "shape": list(record.shape),
-        "dtype": str(record.dtype).removeprefix("torch."),
+        "dtype": dtype_name(record.dtype),
         "nbytes": record.nbytes,
         "tier": placement.tier.name,
         "name": placement.name,

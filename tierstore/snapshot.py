@@ -27,23 +27,11 @@ import h5py
 import numpy as np
 import torch
 
+from .dtypes import dtype_from_name, dtype_name
 from .errors import BufferMismatchError, InvalidKeyError
 from .store import TierStore
 
 FORMAT = 1
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name :func:`dtype_from_name` reads back (``"bfloat16"``...)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str, where: str) -> torch.dtype:
-    """The torch dtype called ``name``; :class:`BufferMismatchError` naming ``where`` otherwise."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise BufferMismatchError(f"{where} has unknown dtype {name!r}")
-    return dtype
 
 
 def write_snapshot(

@@ -74,8 +74,9 @@ from tierstore.activations import ActivationOffload
 from tierstore.optimizer.staging import FP32, SubGroupStager
 
 from tierstore.buffers import aligned_tensor
+from tierstore.dtypes import dtype_from_name, dtype_name
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError, UnsupportedVersionError
-from tierstore.snapshot import dtype_from_name, dtype_name, open_snapshot, write_snapshot
+from tierstore.snapshot import open_snapshot, write_snapshot
 from tierstore.store import TierStore
 
 from .config import SECTION, ActivationsSection, TierstoreSection, parse_section
@@ -262,9 +263,7 @@ class TierStoreSwapper:
     ) -> None:
         for parameter, source in zip(parameters, src_tensors, strict=True):
             name = self._register(parameter, source.numel())
-            self.stager.write(
-                name, source.numel(), lambda state, source=source: state.copy_(source.reshape(-1))
-            )
+            self.stager.write(name, source.numel(), functools.partial(_copy_flat, source))
         self.stager.wait_writes()
 
     def initialize_from_swapped_fp16_params(self, *args: Any, **kwargs: Any) -> None:
@@ -697,3 +696,8 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
     def destroy(self) -> None:
         super().destroy()
         self.optimizer_swapper.close()
+
+
+def _copy_flat(source: torch.Tensor, state: torch.Tensor) -> None:
+    """Fill a sub-group's master weights from DeepSpeed's partition (any shape)."""
+    state.copy_(source.reshape(-1))
