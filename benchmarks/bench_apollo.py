@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_optimizer import steady
+from bench_optimizer import steady, timed_steps
 from common import log, measure_fio, metadata, parse_size, run_benchmark
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
@@ -65,24 +65,7 @@ def offloaded_side(args: argparse.Namespace, directory: Path, name: str, make: F
         started = time.perf_counter()
         optimizer = make(params, store, args)
         init_seconds = time.perf_counter() - started
-        tier = store.tiers[0]
-        steps = []
-        for step in range(args.steps):
-            for param in params:
-                param.grad = torch.randn(shape, dtype=torch.bfloat16).mul_(1e-3)
-            read, written = tier.bytes_read, tier.bytes_written
-            started = time.perf_counter()
-            optimizer.step()
-            seconds = time.perf_counter() - started
-            steps.append(
-                {
-                    "step": step,
-                    "update_s": round(seconds, 3),
-                    "bytes_read": tier.bytes_read - read,
-                    "bytes_written": tier.bytes_written - written,
-                }
-            )
-            log(f"  {name} step {step}: {seconds:.2f} s")
+        steps = timed_steps(optimizer, params, store.tiers[0], args.steps, name)
         state_bytes = sum(4 * optimizer.state_numel(sg) for sg in optimizer.subgroups)
         kept = len(optimizer.stager.resident)
     shutil.rmtree(directory / name, ignore_errors=True)  # the next side gets the disk to itself

@@ -51,7 +51,7 @@ import pyspy_breakdown
 import torch
 from common import log, measure_update_bound, metadata, parse_size, run_benchmark
 from tierstore.backends import open_backend
-from tierstore.optimizer import OffloadedAdamW
+from tierstore.optimizer import OffloadedAdamW, StagedOptimizer
 
 from tierstore import Tier, TierStore
 from tierstore.model import plan_pass
@@ -77,24 +77,7 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         started = time.perf_counter()
         optimizer = OffloadedAdamW(params, store, lr=1e-4, sub_group_size=numel, dram_budget=args.budget)
         init_seconds = time.perf_counter() - started
-        tier = store.tiers[0]
-        steps = []
-        for step in range(args.steps):
-            for param in params:
-                param.grad = torch.randn(numel, dtype=torch.bfloat16).mul_(1e-3)
-            read, written = tier.bytes_read, tier.bytes_written
-            started = time.perf_counter()
-            optimizer.step()
-            seconds = time.perf_counter() - started
-            steps.append(
-                {
-                    "step": step,
-                    "update_s": round(seconds, 3),
-                    "bytes_read": tier.bytes_read - read,
-                    "bytes_written": tier.bytes_written - written,
-                }
-            )
-            log(f"  tierstore step {step}: {seconds:.2f} s")
+        steps = timed_steps(optimizer, params, store.tiers[0], args.steps, "tierstore")
         kept = len(optimizer.stager.resident)
         # What the I/O model predicts for this pass, from the bandwidths the store measured.
         stager = optimizer.stager
@@ -115,6 +98,30 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "init_s": round(init_seconds, 3),
         "steps": steps,
     }
+
+
+def timed_steps(
+    optimizer: StagedOptimizer, params: list[torch.nn.Parameter], tier: Tier, count: int, name: str
+) -> list[dict[str, Any]]:
+    """``count`` optimizer steps on fresh small bf16 gradients: seconds and tier bytes of each."""
+    steps = []
+    for step in range(count):
+        for param in params:
+            param.grad = torch.randn(param.shape, dtype=torch.bfloat16).mul_(1e-3)
+        read, written = tier.bytes_read, tier.bytes_written
+        started = time.perf_counter()
+        optimizer.step()
+        seconds = time.perf_counter() - started
+        steps.append(
+            {
+                "step": step,
+                "update_s": round(seconds, 3),
+                "bytes_read": tier.bytes_read - read,
+                "bytes_written": tier.bytes_written - written,
+            }
+        )
+        log(f"  {name} step {step}: {seconds:.2f} s")
+    return steps
 
 
 def page_cache_bytes() -> int:
