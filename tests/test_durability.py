@@ -39,6 +39,7 @@ from tierstore import (
     import_hdf5,
     load_config,
 )
+from tierstore.manifest import Manifest
 from tierstore.testing import BackendTests
 
 TESTS = Path(__file__).parent
@@ -70,6 +71,11 @@ def nvme_root(store: TierStore) -> Path:
     return backend.root
 
 
+def stored_objects(store: TierStore) -> set[str]:
+    """The names of the objects on the store's (single) NVMe tier."""
+    return {p.name for p in nvme_root(store).iterdir() if not p.name.startswith(".")}
+
+
 # -- reopen ---------------------------------------------------------------------------------------
 def test_reopen_finds_every_committed_object(tmp_path: Path) -> None:
     config = persistent(tmp_path)
@@ -85,7 +91,7 @@ def test_reopen_finds_every_committed_object(tmp_path: Path) -> None:
         for key, tensor in expected.items():
             got = store[key]
             assert got.dtype == tensor.dtype and torch.equal(got, tensor), key
-        objects = {p.name for p in nvme_root(store).iterdir() if not p.name.startswith(".")}
+        objects = stored_objects(store)
         assert objects == {_name(store, key) for key in expected if store.info(key).extents}
 
 
@@ -271,7 +277,7 @@ def test_kill_9_at_random_moments_never_tears_an_object(tmp_path: Path) -> None:
                 assert int(values[0]) <= started
             seen = max(seen, len(store.keys()))
             referenced = {_name(store, key) for key in store}
-            on_disk = {p.name for p in nvme_root(store).iterdir() if not p.name.startswith(".")}
+            on_disk = stored_objects(store)
             assert on_disk == referenced  # interrupted writes were collected at reopen
         version = started + 1
     assert version > 40 and seen == 8  # the writer made real progress between kills
@@ -319,6 +325,69 @@ def test_the_journal_stays_bounded_while_the_store_runs(
         assert {key: int(store[key][0]) for key in store} == {f"k{k}": 390 + k for k in range(10)}
 
 
+def _hold_write_back_journaling(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold a write-back on the completion thread just before it journals its version, for a
+    moment or until released: the window in which another operation on the same key can run."""
+    reached, release = threading.Event(), threading.Event()
+    commit_many = Manifest.commit_many
+
+    def held(manifest: Manifest, entries: Any) -> None:
+        if threading.current_thread().name.startswith("tierstore-commit") and not reached.is_set():
+            reached.set()
+            release.wait(timeout=1.0)  # a correct store makes the other operation wait for this
+        commit_many(manifest, entries)
+
+    monkeypatch.setattr(Manifest, "commit_many", held)
+    return reached, release
+
+
+@pytest.mark.parametrize("operation", ["uncached put", "delete"])
+def test_a_write_back_racing_a_newer_operation_never_wins_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    """A write-back that looked up its key before a newer put or a delete, but journals after it,
+    must not leave the manifest naming the old version (which a reopen would bring back)."""
+    reached, release = _hold_write_back_journaling(monkeypatch)
+    config = persistent(tmp_path)
+    with TierStore.from_config(config) as store:
+        store.put("x", torch.full((1000,), 1.0)).result()  # only in the cache
+        flushing = threading.Thread(target=store.flush)
+        flushing.start()
+        assert reached.wait(timeout=30)
+        if operation == "delete":
+            store.delete("x")
+        else:
+            store.put("x", torch.full((1000,), 2.0), cache=False).result()
+        release.set()
+        flushing.join()
+        expected = {} if operation == "delete" else {"x": 2.0}
+        assert {key: float(store[key][0]) for key in store} == expected
+    with TierStore.from_config(config) as store:
+        assert {key: float(store[key][0]) for key in store} == expected
+        referenced = {_name(store, key) for key in store}
+        assert stored_objects(store) == referenced
+
+
+def test_a_put_whose_journal_line_fails_keeps_the_old_version_and_leaves_no_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = persistent(tmp_path)
+    with TierStore.from_config(config) as store:
+        store.put("x", torch.full((1000,), 1.0), cache=False).result()
+
+        def failing(manifest: Manifest, entries: Any) -> None:
+            raise BackendIOError(errno.EIO, "journal: injected failure")
+
+        monkeypatch.setattr(Manifest, "commit_many", failing)
+        with pytest.raises(BackendIOError, match="injected"):
+            store.put("x", torch.full((1000,), 2.0), cache=False).result()
+        monkeypatch.undo()
+        assert float(store["x"][0]) == 1.0
+        assert stored_objects(store) == {_name(store, "x")}
+    with TierStore.from_config(config) as store:
+        assert float(store["x"][0]) == 1.0
+
+
 @pytest.mark.parametrize("step", ["snapshot-written", "snapshot-renamed", "journal-truncated"])
 def test_a_crash_during_compaction_loses_nothing(tmp_path: Path, step: str) -> None:
     config = persistent(tmp_path)
@@ -345,7 +414,7 @@ def test_a_crash_during_compaction_loses_nothing(tmp_path: Path, step: str) -> N
                 key
             )  # the last acknowledged, or the one in flight
         referenced = {_name(store, key) for key in store}
-        assert {p.name for p in nvme_root(store).iterdir() if not p.name.startswith(".")} == referenced
+        assert stored_objects(store) == referenced
 
 
 def test_a_failed_put_keeps_the_previous_version_across_reopen(tmp_path: Path) -> None:

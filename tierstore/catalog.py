@@ -47,6 +47,10 @@ class Catalog:
         self.lock = lock
         self.manifest = manifest
         self._records: dict[str, Record] = {}
+        self._ordered = threading.Lock()
+        """Held across each change's journal line and record swap, so the journal's order is the
+        records' order: a write-back that looked its key up before a newer put or a delete must
+        not journal after it (a reopen would bring the old version back)."""
         if manifest is not None:
             self._load(manifest)
 
@@ -78,52 +82,62 @@ class Catalog:
         """Make ``record`` the current version of ``key``; ``attach`` runs in the same locked step
         (the cache adopting the version's copy). The previous version is deleted, except that a
         persistent store keeps the journaled one until a newer one is journaled."""
-        if record.persisted is not None:
-            self._journal({key: (record, record.persisted)})
-        if record.scratch and self.manifest is not None and key in self.manifest.entries:
-            self.manifest.remove(key)  # the journaled version it replaces is about to go
-        with self.lock:
-            previous = self._records.get(key)
-            self._records[key] = record
-            attach()
-        if previous is None:
-            return
-        keep = previous.journaled or previous.persisted
-        if self.manifest is not None and record.persisted is None and keep is not None:
-            record.journaled = keep
-        self.chain.discard({previous.persisted, previous.journaled} - {None, record.journaled})
+        with self._ordered:
+            if record.persisted is not None:
+                try:
+                    self._journal({key: (record, record.persisted)})
+                except BaseException:
+                    self.chain.discard([record.persisted])  # never named: the key keeps its version
+                    raise
+            if record.scratch and self.manifest is not None and key in self.manifest.entries:
+                self.manifest.remove(key)  # the journaled version it replaces is about to go
+            with self.lock:
+                previous = self._records.get(key)
+                self._records[key] = record
+                attach()
+                if previous is None:
+                    return
+                keep = previous.journaled or previous.persisted
+                if self.manifest is not None and record.persisted is None and keep is not None:
+                    record.journaled = keep
+                garbage = {previous.persisted, previous.journaled} - {None, record.journaled}
+        self.chain.discard(garbage)
 
     def written(self, entries: Sequence[CacheEntry], placements: Sequence[Placement]) -> list[bool]:
         """Commit write-backs still current (journaled together: one sync for a pack); versions
         replaced or deleted meanwhile, and the ones the committed versions supersede, are garbage.
         Returns which entries are now clean; on a journal failure discards every placement."""
-        with self.lock:
-            records = [self._records.get(entry.key) if entry.attached else None for entry in entries]
-        committed = {
-            entry.key: (record, placement)
-            for entry, record, placement in zip(entries, records, placements, strict=True)
-            if record is not None
-        }
-        garbage = [placement for record, placement in zip(records, placements, strict=True) if record is None]
-        try:
-            self._journal(committed)
-        except BaseException:
-            self.chain.discard(garbage + [placement for _, placement in committed.values()])
-            raise
-        with self.lock:
-            for record, placement in committed.values():
-                garbage.extend(p for p in (record.persisted, record.journaled) if p is not None)
-                record.persisted, record.journaled = placement, None
+        with self._ordered:
+            with self.lock:
+                records = [self._records.get(entry.key) if entry.attached else None for entry in entries]
+            committed = {
+                entry.key: (record, placement)
+                for entry, record, placement in zip(entries, records, placements, strict=True)
+                if record is not None
+            }
+            garbage = [
+                placement for record, placement in zip(records, placements, strict=True) if record is None
+            ]
+            try:
+                self._journal(committed)
+            except BaseException:
+                self.chain.discard(garbage + [placement for _, placement in committed.values()])
+                raise
+            with self.lock:
+                for record, placement in committed.values():
+                    garbage.extend(p for p in (record.persisted, record.journaled) if p is not None)
+                    record.persisted, record.journaled = placement, None
         self.chain.discard(garbage)
         return [record is not None for record in records]
 
     def remove(self, key: str) -> Record:
         """Forget ``key`` and delete its versions; returns its last record."""
-        with self.lock:
-            record = self.record(key)
-            del self._records[key]
-        if self.manifest is not None and key in self.manifest.entries:
-            self.manifest.remove(key)
+        with self._ordered:
+            with self.lock:
+                record = self.record(key)
+                del self._records[key]
+            if self.manifest is not None and key in self.manifest.entries:
+                self.manifest.remove(key)
         self.chain.discard({record.persisted, record.journaled})
         return record
 
