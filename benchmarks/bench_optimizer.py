@@ -126,7 +126,8 @@ def timed_steps(
 
 def page_cache_bytes() -> int:
     """The kernel's file page cache, which O_DIRECT I/O must not grow: ``Cached`` in /proc/meminfo
-    less ``Shmem`` (shared anonymous memory, such as the buffer pools' maps, counts as cached)."""
+    less ``Shmem`` (shared anonymous memory, such as DeepSpeed's or torch's shared maps, counts
+    as cached)."""
     fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     return (int(fields["Cached"].split()[0]) - int(fields["Shmem"].split()[0])) * 1024
 

@@ -193,13 +193,7 @@ def run_fio(path: Path, rw: str, nbytes: int) -> float:
         *FIO_ARGS,
     ]
     os.sync()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"fio failed ({done.returncode}): {' '.join(command)}\n{done.stderr}")
-    report = json.loads(done.stdout[done.stdout.index("{") :])  # fio may print notes first
-    job = report["jobs"][0]
-    if job.get("error"):
-        raise RuntimeError(f"fio job error {job['error']}: {' '.join(command)}")
+    job = _fio(command)["jobs"][0]
     side = "write" if rw == "write" else "read"
     if job[side]["io_bytes"] != nbytes:
         raise RuntimeError(f"fio {rw} moved {job[side]['io_bytes']} bytes, expected {nbytes}")
@@ -226,7 +220,8 @@ def measure_update_bound(
     ``files`` files while ``write_bytes`` are written to as many others, both at once, O_DIRECT,
     ``request_bytes`` per request and ``in_flight`` requests in flight in all (half each way).
 
-    The files to read are laid out first (not timed). Returns the seconds until both jobs are
+    Both sets of files are laid out first (not timed), so the writes overwrite written blocks as
+    tierstore's do (its backend recycles deleted files). Returns the seconds until both jobs are
     done (the bound) and each direction's GB/s while they ran together."""
     directory.mkdir(parents=True, exist_ok=True)
     depth = max(1, in_flight // 2)
@@ -248,7 +243,8 @@ def measure_update_bound(
 
     common = ["fio", "--direct=1", "--ioengine=libaio", f"--bs={request_bytes}", "--output-format=json"]
     try:
-        _fio(common + job("update-read", "write", read_bytes))  # lay out the files to read
+        _fio(common + job("update-read", "write", read_bytes))  # lay out both sets of files
+        _fio(common + job("update-write", "write", write_bytes))
         os.sync()
         report = _fio(
             common + job("update-read", "read", read_bytes) + job("update-write", "write", write_bytes)
@@ -268,8 +264,19 @@ def measure_update_bound(
     }
 
 
+FIO_HUGE_PAGES = 128
+"""Huge pages reserved while fio runs, for its I/O buffers (256 MiB: iodepth x block size)."""
+
+
 def _fio(command: list[str]) -> dict[str, Any]:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    """Run fio with its I/O buffers on huge pages, as tierstore's are (see ``tierstore.buffers``):
+    on 4 KiB pages the block layer splits each 4 MiB request into ~512 KiB pieces, which on this
+    machine's disk costs 3-4x in bandwidth and would make fio no baseline at all."""
+    with _reserved_huge_pages(FIO_HUGE_PAGES) as reserved:
+        if not reserved:
+            log("warning: no huge pages for fio's buffers (needs root): its requests will be split")
+        memory = ["--iomem=shmhuge"] if reserved else []
+        done = subprocess.run([*command, *memory], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"fio failed ({done.returncode}): {' '.join(command)}\n{done.stderr}")
     report: dict[str, Any] = json.loads(done.stdout[done.stdout.index("{") :])  # fio may print notes first
@@ -277,6 +284,22 @@ def _fio(command: list[str]) -> dict[str, Any]:
         if job.get("error"):
             raise RuntimeError(f"fio job {job['jobname']} error {job['error']}: {' '.join(command)}")
     return report
+
+
+@contextmanager
+def _reserved_huge_pages(count: int) -> Iterator[bool]:
+    """Raise ``vm.nr_hugepages`` to ``count`` for the duration (root only), then restore it;
+    yields whether that many are reserved."""
+    control = Path("/proc/sys/vm/nr_hugepages")
+    before = int(control.read_text())
+    try:
+        if before < count and os.geteuid() == 0:
+            with contextlib.suppress(OSError):
+                control.write_text(f"{count}\n")
+        yield int(control.read_text()) >= count
+    finally:
+        if int(control.read_text()) != before:
+            control.write_text(f"{before}\n")
 
 
 def fill_random(buffer: AlignedBuffer, nbytes: int, seed: int) -> None:

@@ -1,7 +1,9 @@
+import sys
+
 import pytest
 
 from tierstore import AlignedBuffer, BufferPool, CapacityError
-from tierstore.buffers import ALIGNMENT, buffer_address, round_up
+from tierstore.buffers import ALIGNMENT, HUGE_MAP_BYTES, HUGE_PAGE, buffer_address, round_up
 
 
 @pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 3 << 20])
@@ -92,3 +94,37 @@ def test_freed_memory_merges_back_for_larger_buffers() -> None:
     pool.release(whole)
     pool.clear()
     assert pool.allocated_bytes == 0 and pool.in_use_bytes == 0
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps header and fields of the mapping holding ``address``."""
+    fields: dict[str, str] = {}
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+                if inside:
+                    fields["header"] = line
+            elif inside:
+                fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return fields
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_large_buffers_are_private_memory_aligned_to_huge_pages() -> None:
+    """O_DIRECT requests from 4 KiB pages are split into small pieces (one segment per page run);
+    large buffers sit on huge pages, which need private (not shared, shmem) anonymous maps."""
+    own = AlignedBuffer(HUGE_MAP_BYTES)
+    pool = BufferPool(4 * HUGE_MAP_BYTES)
+    carved = pool.try_acquire(HUGE_PAGE + 1)
+    assert carved is not None
+    for buffer in (own, carved):
+        address = buffer_address(buffer.memoryview(1))
+        assert address % HUGE_PAGE == 0
+        mapping = _mapping_of(address)
+        assert "/dev/zero" not in mapping["header"] and " rw-p " in mapping["header"], mapping["header"]
+    small = AlignedBuffer(HUGE_PAGE)
+    assert " rw-p " in _mapping_of(buffer_address(small.memoryview(1)))["header"]

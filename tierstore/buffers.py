@@ -13,6 +13,11 @@ budget. It carves buffers out of a few large maps (:class:`_Arena`, a buddy allo
 pinned once per map), and objects under a page share pages as slots of a size class
 (:class:`_Slab`). Buffers of a page or more keep page-aligned addresses and page-multiple
 capacities, as O_DIRECT needs.
+
+Large maps are backed by transparent huge pages (:func:`_anonymous_map`): the block layer turns an
+O_DIRECT request into one segment per physically contiguous piece of its buffer, so on 4 KiB
+pages a 4 MiB request is split into requests of a few hundred KiB (``max_segments``), and this
+machine's disk moved about 0.7 GB/s that way against 2-3 GB/s with the whole 4 MiB in one request.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ from .errors import CapacityError
 
 ALIGNMENT = 4096
 """Alignment of every pool buffer: the page size, a multiple of any block device's sector."""
+
+
+HUGE_PAGE = 2 << 20
+HUGE_MAP_BYTES = 64 << 20
+"""Maps at least this large are huge-page backed; smaller ones stay on 4 KiB pages, where a
+touched page would otherwise make a whole 2 MiB resident and push a small pool past its budget."""
 
 
 def round_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -55,7 +66,8 @@ class AlignedBuffer:
         self.offset = 0
         self.place: _Arena | _Slab | None = None
         """Where a pool buffer was carved from (None: its own map)."""
-        self._array = np.frombuffer(mmap.mmap(-1, self.capacity), dtype=np.uint8)
+        memory, start = _anonymous_map(self.capacity)
+        self._array = np.frombuffer(memory, dtype=np.uint8, count=self.capacity, offset=start)
         self._tensor = torch.from_numpy(self._array)
         self.pinned = self._owns_pin = False
         if pin:
@@ -92,6 +104,23 @@ class AlignedBuffer:
             self.pinned = self._owns_pin = False
 
 
+def _anonymous_map(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous map with room for ``nbytes`` from the returned (page-aligned) offset.
+
+    From :data:`HUGE_MAP_BYTES` on it is backed by transparent huge pages, the offset aligned to
+    one (the map is a huge page longer; the untouched slack is never resident); smaller maps are
+    kept off them. Private, not Python's default shared map: shared anonymous memory is shmem,
+    which the kernel does not back with huge pages here (``shmem_enabled`` is ``never``)."""
+    huge = nbytes >= HUGE_MAP_BYTES and hasattr(mmap, "MADV_HUGEPAGE")  # Linux only
+    memory = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not huge:
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            memory.madvise(mmap.MADV_NOHUGEPAGE)
+        return memory, 0
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory, -np.frombuffer(memory, dtype=np.uint8).ctypes.data % HUGE_PAGE
+
+
 def aligned_tensor(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A 1-D tensor of ``numel`` elements in page-aligned memory of its own: O_DIRECT reads and
     writes go straight to and from it, without a bounce copy."""
@@ -124,8 +153,8 @@ class _Arena:
 
     def __init__(self, nbytes: int, *, pin: bool) -> None:
         self.nbytes = nbytes
-        self._map = mmap.mmap(-1, nbytes)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self._map, self._start = _anonymous_map(nbytes)
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=self._start)
         self.tensor = torch.from_numpy(self.array)
         self.pinned = pin
         if pin:
@@ -152,7 +181,7 @@ class _Arena:
 
     def release(self, offset: int, order: int) -> None:
         if not self.pinned:  # pinned pages stay resident by definition
-            self._map.madvise(mmap.MADV_DONTNEED, offset, ALIGNMENT << order)
+            self._map.madvise(mmap.MADV_DONTNEED, self._start + offset, ALIGNMENT << order)
         page = offset // ALIGNMENT
         while order < self.top and (buddy := page ^ (1 << order)) in self._free[order]:
             self._free[order].remove(buddy)
