@@ -11,10 +11,11 @@ in sub-groups of ``--numel`` elements on the same local disk, with the same DRAM
   sub-group tensor so that the buffers equal the same budget; its fp32 gradients are swapped out
   first, as its backward pass does (timed apart, not in the update phase).
 
-Each side runs in a fresh child process (``--side``), ``--repeats`` times, alternating with the
-other side and with the **device bound**: fio replaying that repeat's tierstore I/O (the same bytes
-read and written, concurrently, O_DIRECT, the nvme backend's request size and requests in flight,
-on as many files as sub-groups moved), so the disk's drift hits all three alike. Reported: seconds
+Each side runs in a fresh child process (``--side``), ``--repeats`` times, alternating (A B, B A,
+...), and right after each tierstore run comes the **device bound**: fio replaying that run's I/O
+(the same bytes read and written, concurrently, O_DIRECT, the nvme backend's request size and
+requests in flight, on as many files as sub-groups moved), once with the CPU idle and once with
+one core kept busy, as an update's kernels keep it (on a VM that alone slows the disk). Reported: seconds
 per step of each side (median of the steps after the first; median, min and max over repeats),
 bytes moved, DeepSpeed / tierstore, tierstore / device bound, and the I/O model's predicted update
 time (``tierstore.model.plan_pass`` on the bandwidths the store measured) over the measured one.
@@ -290,33 +291,37 @@ def spread(values: list[float]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
-    """Repeats alternate tierstore, DeepSpeed and the device bound (fio replaying tierstore's I/O
-    of that repeat), so the disk's drift hits all three alike; figures are medians of repeats."""
+    """Repeats alternate tierstore and DeepSpeed, each tierstore run followed by its device bound
+    (fio replaying its I/O), so the disk's drift hits all alike; figures are medians of repeats."""
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {"tierstore": [], "deepspeed": [], "device_bound": []}
     for repeat in range(args.repeats):
-        for side in ("tierstore", "deepspeed"):
+        sides = ["tierstore", "deepspeed"] if repeat % 2 == 0 else ["deepspeed", "tierstore"]
+        for side in sides:
             log(f"repeat {repeat}: {side} (child process) ...")
             runs[side].append(child(side, args, directory))
-        ours = runs["tierstore"][-1]
-        log(f"repeat {repeat}: device bound (fio) ...")
-        runs["device_bound"].append(
-            measure_update_bound(
-                directory,
-                read_bytes=int(steady(ours, "bytes_read")),
-                write_bytes=int(steady(ours, "bytes_written")),
-                files=max(1, ours["subgroups"] - ours["kept_in_dram"]),
-                request_bytes=NVME_CHUNK,
-                in_flight=NVME_QUEUE_DEPTH,
-            )
-        )
+            if side == "tierstore":  # the bound right after it: the disk in the same mood
+                ours = runs["tierstore"][-1]
+                log(f"repeat {repeat}: device bound (fio) ...")
+                runs["device_bound"].append(
+                    measure_update_bound(
+                        directory,
+                        read_bytes=int(steady(ours, "bytes_read")),
+                        write_bytes=int(steady(ours, "bytes_written")),
+                        files=max(1, ours["subgroups"] - ours["kept_in_dram"]),
+                        request_bytes=NVME_CHUNK,
+                        in_flight=NVME_QUEUE_DEPTH,
+                    )
+                )
     profile = None
     if args.profile:
         log("tierstore under py-spy ...")
         profile = profiled(args, directory)
     update = {side: [steady(r, "update_s") for r in runs[side]] for side in ("tierstore", "deepspeed")}
     bound = [b["bound_s"] for b in runs["device_bound"]]
+    busy_bound = [b["bound_one_core_busy_s"] for b in runs["device_bound"]]
     over_bound = [u / b for u, b in zip(update["tierstore"], bound, strict=True)]
+    over_busy_bound = [u / b for u, b in zip(update["tierstore"], busy_bound, strict=True)]
     predicted = [r["predicted_update_s"] / steady(r, "update_s") for r in runs["tierstore"]]
     return {
         "benchmark": "optimizer_update_phase",
@@ -341,6 +346,8 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 statistics.median(update["deepspeed"]) / statistics.median(update["tierstore"]), 3
             ),
             "tierstore_over_device_bound": spread(over_bound),
+            "device_bound_one_core_busy_s": spread(busy_bound),
+            "tierstore_over_device_bound_one_core_busy": spread(over_busy_bound),
             "predicted_over_measured": spread(predicted),
             "bytes_moved": {
                 "tierstore": steady(runs["tierstore"][0], "bytes_read")

@@ -21,6 +21,7 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("checksums", re.compile(r"^(digest|xxh3\w*) ")),
     ("adam kernel", re.compile(r"^(\w+\._update|_update) \(.*(adamw|apollo)\.py")),
     ("gradient conversion", re.compile(r"^(\w+\.)?_gradients \(")),
+    ("gradient norm", re.compile(r"^(\w+\.)?_gradient_coefficient \(")),
     ("copies", re.compile(r"^(_copy|\w+\._copy_to_model|\w+\._write_back_pack) \(")),
     (
         "device I/O",

@@ -49,6 +49,7 @@ class OffloadedAdamW(StagedOptimizer):
         prefetch_depth: int = 2,
         cache_policy: CachePolicy = "model",
         namespace: str = "adamw",
+        compute_threads: int | None = None,
     ) -> None:
         hyperparameters = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         _check_hyperparameters(hyperparameters, "")
@@ -62,6 +63,7 @@ class OffloadedAdamW(StagedOptimizer):
             prefetch_depth=prefetch_depth,
             cache_policy=cache_policy,
             namespace=namespace,
+            compute_threads=compute_threads,
             whole_params=False,
         )
         self._write_all(None)

@@ -104,6 +104,7 @@ class OffloadedAPOLLO(StagedOptimizer):
         prefetch_depth: int = 2,
         cache_policy: CachePolicy = "model",
         namespace: str = "apollo",
+        compute_threads: int | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -129,6 +130,7 @@ class OffloadedAPOLLO(StagedOptimizer):
             prefetch_depth=prefetch_depth,
             cache_policy=cache_policy,
             namespace=namespace,
+            compute_threads=compute_threads,
             whole_params=True,
         )
         self.seeds = [number + 1 for number in range(len(self.params))]

@@ -23,7 +23,8 @@ import functools
 import math
 import os
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,7 +39,13 @@ from .staging import FP32, CachePolicy, SubGroupStager, _is_integer
 
 class StagedOptimizer(torch.optim.Optimizer):
     """Base of the offloaded optimizers; ``dram_budget`` bounds the fp32 DRAM it holds (ring,
-    gradient buffer, kept sub-groups), ``whole_params`` keeps every parameter in one sub-group."""
+    gradient buffer, kept sub-groups), ``whole_params`` keeps every parameter in one sub-group.
+
+    ``compute_threads`` is how many threads torch's CPU kernels use during a step; by default one
+    fewer than torch's setting (at least one), so that a core stays free for the store's I/O
+    threads: on a 2-core machine a second kernel thread slowed the concurrent state I/O by more
+    than it sped up the kernels (``benchmarks/bench_optimizer.py``).
+    """
 
     def __init__(
         self,
@@ -53,12 +60,16 @@ class StagedOptimizer(torch.optim.Optimizer):
         cache_policy: CachePolicy,
         namespace: str,
         whole_params: bool,
+        compute_threads: int | None = None,
     ) -> None:
         if not _is_integer(sub_group_size) or sub_group_size < 1:
             raise ConfigError(f"sub_group_size: must be a positive integer, got {sub_group_size!r}")
         if max_grad_norm is not None and not (is_real(max_grad_norm) and max_grad_norm > 0.0):
             raise ConfigError(f"max_grad_norm: must be None or a positive number, got {max_grad_norm!r}")
+        if compute_threads is not None and (not _is_integer(compute_threads) or compute_threads < 1):
+            raise ConfigError(f"compute_threads: must be None or an integer >= 1, got {compute_threads!r}")
         super().__init__(params, defaults)
+        self.compute_threads = compute_threads
         for number, group in enumerate(self.param_groups):
             self._check_group(group, f"param_groups.{number}.")
         self.store = store
@@ -121,26 +132,29 @@ class StagedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        coefficient = self._gradient_coefficient(grad_scale)
-        if coefficient is None:
-            self.skipped_steps += 1
-            return loss
-        self.step_count += 1
-        for number, param in enumerate(self.params):
-            if param.grad is not None:
-                self.param_steps[number] += 1
         order = [sg.index for sg in self.subgroups]
-        if self.step_count % 2 == 0:
+        if (self.step_count + 1) % 2 == 0:
             order.reverse()
+        # The pass's first reads run while the gradient norm is taken: the norm is a full pass
+        # over the gradients, time the disk would otherwise sit idle.
         self.stager.begin_pass(order, {sg.index: self.state_numel(sg) for sg in self.subgroups})
         try:
-            for index in order:
-                state = self.stager.acquire(index)
-                sg = self.subgroups[index]
-                grads = self._gradients(sg, coefficient)
-                if grads:
-                    self._update(sg, state, grads)
-                self.stager.release(index)
+            with _torch_threads(self.compute_threads):
+                coefficient = self._gradient_coefficient(grad_scale)
+                if coefficient is None:
+                    self.skipped_steps += 1
+                    return loss
+                self.step_count += 1
+                for number, param in enumerate(self.params):
+                    if param.grad is not None:
+                        self.param_steps[number] += 1
+                for index in order:
+                    state = self.stager.acquire(index)
+                    sg = self.subgroups[index]
+                    grads = self._gradients(sg, coefficient)
+                    if grads:
+                        self._update(sg, state, grads)
+                    self.stager.release(index)
         finally:
             self.stager.end_pass()
         return loss
@@ -281,3 +295,19 @@ class StagedOptimizer(torch.optim.Optimizer):
 def is_real(value: object) -> bool:
     """A finite int or float (bool excluded): what a kernel takes as a hyper-parameter."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@contextmanager
+def _torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` (None: one fewer than now, at least one) for the
+    duration, then restored."""
+    before = torch.get_num_threads()
+    wanted = max(1, before - 1) if count is None else count
+    if wanted == before:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -474,6 +474,7 @@ def test_checkpoints_with_one_global_step_still_load(tmp_path: Path) -> None:
         ("weight_decay", [-0.1, float("nan"), "0.01", None]),
         ("betas", [(0.9,), (0.9, 0.999, 0.5), (1.0, 0.999), (0.9, -0.1), "ab", (0.9, float("nan")), 0.9]),
         ("namespace", ["", "/abs", "a/../b", "bad\x00name", None, 7]),
+        ("compute_threads", [0, -1, 1.5, True, "1"]),
     ],
 )
 def test_bad_constructor_arguments_name_the_field(tmp_path: Path, option: str, values: list[object]) -> None:
@@ -482,6 +483,68 @@ def test_bad_constructor_arguments_name_the_field(tmp_path: Path, option: str, v
             with pytest.raises(ConfigError, match=f"^{option}: "):
                 options: dict[str, Any] = {option: value}  # wrong on purpose: the runtime check is tested
                 OffloadedAdamW([torch.nn.Parameter(torch.randn(100))], store, **options)
+
+
+@pytest.mark.parametrize(("compute_threads", "during"), [(None, 1), (1, 1), (2, 2)])
+def test_a_step_runs_its_kernels_on_compute_threads_and_restores_torchs_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compute_threads: int | None, during: int
+) -> None:
+    """By default one core is left to the I/O threads (2 -> 1); the setting is torch's again after
+    the step, even one that raised."""
+    seen: list[int] = []
+    update = OffloadedAdamW._update
+
+    def spy(self: OffloadedAdamW, *args: Any) -> None:
+        seen.append(torch.get_num_threads())
+        update(self, *args)
+
+    monkeypatch.setattr(OffloadedAdamW, "_update", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with make_store(tmp_path, "dram") as store:
+            param = torch.nn.Parameter(torch.randn(100))
+            optimizer = OffloadedAdamW([param], store, compute_threads=compute_threads)
+            param.grad = torch.ones(100)
+            optimizer.step()
+            assert seen == [during] and torch.get_num_threads() == 2
+            monkeypatch.setattr(OffloadedAdamW, "_update", lambda *args: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                optimizer.step()
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_first_reads_of_a_step_are_issued_before_the_gradient_norm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The norm is a full pass over the gradients: the disk works meanwhile. A skipped (overflowing)
+    step drops the reads it issued and changes nothing."""
+    events: list[str] = []
+    with make_store(tmp_path, "nvme") as store:
+        params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(4)]
+        optimizer = OffloadedAdamW(params, store, sub_group_size=1000, cache_policy="none")
+        get, coefficient = store.get, OffloadedAdamW._gradient_coefficient
+        monkeypatch.setattr(store, "get", lambda *a, **k: (events.append("read"), get(*a, **k))[1])
+        monkeypatch.setattr(
+            OffloadedAdamW,
+            "_gradient_coefficient",
+            lambda self, scale: (events.append("norm"), coefficient(self, scale))[1],
+        )
+        for param in params:
+            param.grad = torch.ones(1000)
+        optimizer.step()
+        assert events[:3] == ["read", "read", "norm"]
+        before = [p.detach().clone() for p in params]
+        params[0].grad = torch.full((1000,), float("inf"))
+        optimizer.step()
+        assert optimizer.skipped_steps == 1 and all(
+            torch.equal(p, b) for p, b in zip(params, before, strict=True)
+        )
+        params[0].grad = torch.ones(1000)
+        optimizer.step()
+        assert optimizer.step_count == 2
 
 
 def test_bad_parameter_group_hyperparameters_name_the_group(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ from tierstore.backends import open_backend
 from tierstore.backends.dram import DramBackend, DramOptions
 
 from tierstore import BackendIOError, ConfigError, Tier, TierStore
-from tierstore.bandwidth import Bandwidth
+from tierstore.bandwidth import Bandwidth, InFlight, ThroughputMeter
 from tierstore.limits import Priority
+from tierstore.model import PathSpeed, transfer_seconds
 from tierstore.tier import TierPath
 
 
@@ -225,3 +226,40 @@ def test_bad_tier_arguments_are_config_errors(options: dict[str, object], messag
     arguments: dict[str, object] = {"paths": [DramBackend(DramOptions())], **options}
     with pytest.raises(ConfigError, match=rf"tier 't': {message}"):
         Tier("t", **arguments)  # type: ignore[arg-type]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_meters_of_one_path_credit_concurrent_reads_and_writes_with_the_shared_device(
+    monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """A read and a write of 1 GB each, together for 1 s: the device moved 2 GB/s. Sharing one
+    in-flight count, each meter says 2 GB/s, and read time plus write time is the 1 s it took;
+    counted apart, each says 1 GB/s and a model would predict 2 s."""
+    clock = _Clock()
+    monkeypatch.setattr("tierstore.bandwidth.time.monotonic", clock)
+    in_flight = InFlight() if shared else None
+    read = ThroughputMeter(in_flight=in_flight)
+    write = ThroughputMeter(in_flight=in_flight)
+    stamps = read.started(), write.started()
+    clock.now = 1.0
+    read.finished(stamps[0], 10**9)
+    write.finished(stamps[1], 10**9)
+    expected = 2e9 if shared else 1e9
+    assert read.estimate == pytest.approx(expected) and write.estimate == pytest.approx(expected)
+    assert read.busy_seconds == write.busy_seconds == pytest.approx(1.0)
+    assert transfer_seconds(
+        [PathSpeed("p", read.estimate, write.estimate)], [1.0], 1e9, 1e9
+    ) == pytest.approx(1.0 if shared else 2.0)
+
+
+def test_a_tier_path_shares_one_in_flight_count_between_its_directions() -> None:
+    path = TierPath("p", open_backend({"type": "dram"}))
+    assert path.meters["read"].in_flight is path.meters["write"].in_flight

@@ -22,56 +22,93 @@ from .backends.base import Backend
 from .buffers import AlignedBuffer
 
 
-class ThroughputMeter:
-    """EWMA of a path's throughput, one sample per completed request (thread-safe).
+class InFlight:
+    """Requests in flight on one path and the integral of their count over time (thread-safe).
 
-    Requests in flight share the path, so a request that took ``d`` seconds for ``b`` bytes while
-    on average ``n`` requests were in flight saw the path move ``b * n / d`` bytes per second. The
-    meter keeps the integral of the in-flight count over time to know ``n`` for each request; with
-    one request at a time it is simply ``b / d``.
+    A path's read and write meters share one: a read that overlapped writes shared the device with
+    them, so counting only other reads would credit each direction with the whole device and a
+    model adding read time to write time would predict a mixed pass about twice too slow.
     """
 
-    def __init__(self, initial: float | None = None, *, alpha: float = 0.3) -> None:
+    def __init__(self) -> None:
+        self._count = 0
+        self._integral = 0.0
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def enter(self) -> tuple[float, float]:
+        """A request starts; the stamp to pass to :meth:`leave`."""
+        with self._lock:
+            now = self._advance()
+            self._count += 1
+            return now, self._integral
+
+    def leave(self, stamp: tuple[float, float]) -> tuple[float, float]:
+        """A request ends: its duration and the average number of requests in flight meanwhile."""
+        with self._lock:
+            now = self._advance()
+            self._count -= 1
+            began, integral = stamp
+            duration = now - began
+            return duration, (self._integral - integral) / duration if duration > 0 else 1.0
+
+    def _advance(self) -> float:
+        now = time.monotonic()
+        self._integral += self._count * (now - self._last)
+        self._last = now
+        return now
+
+
+class ThroughputMeter:
+    """EWMA of a path's throughput in one direction, one sample per completed request (thread-safe).
+
+    Requests in flight share the path, so a request that took ``d`` seconds for ``b`` bytes while
+    on average ``n`` requests were in flight (``in_flight``: in both directions when the path's two
+    meters share it) saw the path move ``b * n / d`` bytes per second; with one request at a time
+    it is simply ``b / d``.
+    """
+
+    def __init__(
+        self, initial: float | None = None, *, alpha: float = 0.3, in_flight: InFlight | None = None
+    ) -> None:
         self.estimate = initial
         self.alpha = alpha
         self.busy_seconds = 0.0
+        """Time with at least one request of this direction in flight."""
         self.total_bytes = 0
+        self.in_flight = InFlight() if in_flight is None else in_flight
+        """Requests in flight on the path (shared with the other direction's meter)."""
         self._active = 0
-        self._occupancy = 0.0  # integral of the in-flight count over time
         self._last = time.monotonic()
         self._lock = threading.Lock()
 
     def started(self) -> tuple[float, float]:
         """Note a request's start; pass the returned stamp to :meth:`finished`."""
         with self._lock:
-            now = self._advance()
+            self._advance()
             self._active += 1
-            return now, self._occupancy
+            return self.in_flight.enter()
 
     def finished(self, stamp: tuple[float, float], nbytes: int) -> None:
         """A request ended, having moved ``nbytes`` (0 if it failed)."""
         with self._lock:
-            now = self._advance()
+            self._advance()
             self._active -= 1
             self.total_bytes += nbytes
-            began, occupancy = stamp
-            duration = now - began
+            duration, sharing = self.in_flight.leave(stamp)
             if nbytes and duration > 0:
-                sharing = max(1.0, (self._occupancy - occupancy) / duration)
-                sample = nbytes * sharing / duration
+                sample = nbytes * max(1.0, sharing) / duration
                 self.estimate = (
                     sample
                     if self.estimate is None
                     else (self.alpha * sample + (1 - self.alpha) * self.estimate)
                 )
 
-    def _advance(self) -> float:
+    def _advance(self) -> None:
         now = time.monotonic()
         if self._active:
-            self._occupancy += self._active * (now - self._last)
             self.busy_seconds += now - self._last
         self._last = now
-        return now
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Literal
 
 from filelock import FileLock, Timeout
 
-from .bandwidth import ThroughputMeter
+from .bandwidth import InFlight, ThroughputMeter
 from .errors import StoreClosedError
 
 Direction = Literal["read", "write"]
@@ -132,7 +132,11 @@ class PathScheduler:
         self.name = name
         self.limits: dict[Direction, int] = {"read": max_reads, "write": max_writes}
         self.node_limits = node_limits or {}
-        self.meters = meters or {"read": ThroughputMeter(), "write": ThroughputMeter()}
+        in_flight = InFlight()
+        self.meters = meters or {
+            "read": ThroughputMeter(in_flight=in_flight),
+            "write": ThroughputMeter(in_flight=in_flight),
+        }
         self.telemetry = PathTelemetry()
         self._in_flight: dict[Direction, int] = {"read": 0, "write": 0}
         self._queues: dict[Direction, list[_Request]] = {"read": [], "write": []}

@@ -30,7 +30,7 @@ import xxhash
 from . import placement as planner
 from ._futures import when_all, with_failover
 from .backends import Backend, Location, open_backend
-from .bandwidth import Bandwidth, ProbeCache, ThroughputMeter, probe
+from .bandwidth import Bandwidth, InFlight, ProbeCache, ThroughputMeter, probe
 from .config import PathConfig, TierConfig
 from .errors import (
     BackendIOError,
@@ -105,9 +105,10 @@ class TierPath:
         self.backend = backend
         self.adapt = adapt
         self.configured = bandwidth
+        in_flight = InFlight()  # both directions share the device, so both share the count
         self.meters: dict[Direction, ThroughputMeter] = {
-            "read": ThroughputMeter(bandwidth.read if bandwidth else None),
-            "write": ThroughputMeter(bandwidth.write if bandwidth else None),
+            "read": ThroughputMeter(bandwidth.read if bandwidth else None, in_flight=in_flight),
+            "write": ThroughputMeter(bandwidth.write if bandwidth else None, in_flight=in_flight),
         }
         self.scheduler = PathScheduler(
             name, max_reads=max_reads, max_writes=max_writes, node_limits=node_limits, meters=self.meters
