@@ -50,7 +50,7 @@ from typing import Any
 
 import pyspy_breakdown
 import torch
-from common import log, measure_update_bound, metadata, parse_size, run_benchmark
+from common import log, measure_update_bound, metadata, parse_size, run_benchmark, spread
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, StagedOptimizer
 
@@ -280,14 +280,6 @@ def profiled(args: argparse.Namespace, directory: Path) -> dict[str, dict[str, f
     samples = directory / "pyspy.txt"
     pyspy_breakdown.record(child_command("tierstore", args, directory), samples)
     return pyspy_breakdown.breakdown(samples, phase=re.compile(r"^\w+\.step \(.*engine\.py"))
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
 
 
 def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,6 +162,15 @@ def data_directory(requested: Path | None, prefix: str = "bench-") -> Iterator[P
 
 
 # -- measurements ----------------------------------------------------------------------------------
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements (seconds or ratios), rounded for the JSON."""
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
 def timed(action: Callable[[], None]) -> float:
     """Seconds taken by ``action`` after an ``os.sync()``."""
     os.sync()
@@ -294,8 +304,10 @@ def _fio(command: list[str]) -> dict[str, Any]:
     with _reserved_huge_pages(FIO_HUGE_PAGES) as reserved:
         if not reserved:
             log("warning: no huge pages for fio's buffers (needs root): its requests will be split")
-        memory = ["--iomem=shmhuge"] if reserved else []
-        done = subprocess.run([*command, *memory], capture_output=True, text=True, check=False)
+        memory = ["--iomem=shmhuge"] if reserved else []  # global: before the first --name
+        done = subprocess.run(
+            [command[0], *memory, *command[1:]], capture_output=True, text=True, check=False
+        )
     if done.returncode != 0:
         raise RuntimeError(f"fio failed ({done.returncode}): {' '.join(command)}\n{done.stderr}")
     report: dict[str, Any] = json.loads(done.stdout[done.stdout.index("{") :])  # fio may print notes first
