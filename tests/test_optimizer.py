@@ -526,12 +526,17 @@ def test_the_first_reads_of_a_step_are_issued_before_the_gradient_norm(
         params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(4)]
         optimizer = OffloadedAdamW(params, store, sub_group_size=1000, cache_policy="none")
         get, coefficient = store.get, OffloadedAdamW._gradient_coefficient
-        monkeypatch.setattr(store, "get", lambda *a, **k: (events.append("read"), get(*a, **k))[1])
-        monkeypatch.setattr(
-            OffloadedAdamW,
-            "_gradient_coefficient",
-            lambda self, scale: (events.append("norm"), coefficient(self, scale))[1],
-        )
+
+        def noted_get(*args: Any, **kwargs: Any) -> Any:
+            events.append("read")
+            return get(*args, **kwargs)
+
+        def noted_coefficient(self: OffloadedAdamW, grad_scale: float) -> float | None:
+            events.append("norm")
+            return coefficient(self, grad_scale)
+
+        monkeypatch.setattr(store, "get", noted_get)
+        monkeypatch.setattr(OffloadedAdamW, "_gradient_coefficient", noted_coefficient)
         for param in params:
             param.grad = torch.ones(1000)
         optimizer.step()
