@@ -283,8 +283,8 @@ def _replay_seconds(report: dict[str, Any]) -> dict[str, Any]:
 @contextmanager
 def _busy_core() -> Iterator[None]:
     """One process spinning on the CPU for the duration: an update's kernels keep a core busy,
-    and on a virtual machine whose disk I/O is served by the same cores that alone slows the
-    disk (measured: 25-35% on this 2-core VM), which an idle-CPU bound does not show."""
+    and on a virtual machine whose disk I/O is served by the same cores that can slow the disk,
+    which an idle-CPU bound does not show."""
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         yield

@@ -43,8 +43,8 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     ``compute_threads`` is how many threads torch's CPU kernels use during a step; by default one
     fewer than torch's setting (at least one), so that a core stays free for the store's I/O
-    threads: on a 2-core machine a second kernel thread slowed the concurrent state I/O by more
-    than it sped up the kernels (``benchmarks/bench_optimizer.py``).
+    threads: on a 2-core VM a second kernel thread slowed the concurrent state I/O by more than it
+    sped up the kernels (an alternating A/B of the update phase, see the README's benchmarks).
     """
 
     def __init__(

@@ -26,7 +26,7 @@ class InFlight:
     """Requests in flight on one path and the integral of their count over time (thread-safe).
 
     A path's read and write meters share one: a read that overlapped writes shared the device with
-    them, so counting only other reads would credit each direction with the whole device and a
+    them. Counting only other reads would credit each direction with about half the device, and a
     model adding read time to write time would predict a mixed pass about twice too slow.
     """
 
