@@ -118,8 +118,12 @@ class OffloadedAdamW(StagedOptimizer):
         master = state.view(STATE_PARTS, sg.numel)[0]
         return [(piece, master[piece.offset : piece.offset + piece.length]) for piece in sg.pieces]
 
-    def _update(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
-        """One fused AdamW call over the sub-group's pieces that have gradients."""
+    def _update(self, sg: SubGroup, state: torch.Tensor, coefficient: float) -> None:
+        """One fused AdamW call per cache-sized chunk of the sub-group's pieces that have gradients."""
+        for grads in self._gradient_chunks(sg, coefficient):
+            self._adamw(sg, state, grads)
+
+    def _adamw(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
         group = self.param_groups[sg.group]
         master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
         params, ms, vs, steps = [], [], [], []

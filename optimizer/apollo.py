@@ -277,10 +277,10 @@ class OffloadedAPOLLO(StagedOptimizer):
                 else:
                     part.zero_()
 
-    def _update(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
+    def _update(self, sg: SubGroup, state: torch.Tensor, coefficient: float) -> None:
         group = self.param_groups[sg.group]
         slots = {slot.piece.param: slot for slot in self._layout(sg)}
-        for piece, grad in grads:
+        for piece, grad in self._gradients(sg, coefficient):
             slot = slots[piece.param]
             master, exp_avg, exp_avg_sq, scaled = self._views(slot, state)
             self._apollo_adamw(group, slot, grad.view(slot.shape), master, exp_avg, exp_avg_sq, scaled)

@@ -4,16 +4,18 @@ An optimizer built on :class:`StagedOptimizer` says only what its per-sub-group 
 fp32 values, laid out how) and how one sub-group is updated. The engine does the rest, the same
 for every optimizer:
 
-1. measures the global gradient norm from the low-precision gradients (fp32 accumulation, no fp32
-   copy), detects overflow (a non-finite norm skips the step, leaving all state untouched, as loss
-   scaling expects) and derives one coefficient for unscaling and clipping; each parameter counts
-   its own steps, only those on which it has a gradient (bias correction, as in torch);
+1. measures the global gradient norm from the low-precision gradients (fp32 accumulation over
+   cache-sized pieces, no full fp32 copy), detects overflow (a non-finite norm skips the step,
+   leaving all state untouched, as loss scaling expects) and derives one coefficient for
+   unscaling and clipping; each parameter counts its own steps, only those on which it has a
+   gradient (bias correction, as in torch);
 2. visits the sub-groups forward on odd steps and in reverse on even ones (MLP-Offload's
    cache-friendly order) through a :class:`~tierstore.optimizer.staging.SubGroupStager`: read-ahead
    ring, background write-back, and the kept set the I/O model chooses;
 3. per sub-group, converts its gradients into one reused fp32 buffer (delayed, in place) and hands
    them to the optimizer's kernel, then copies the new master weights into the model's
-   parameters. No fp32 gradient is ever written to storage;
+   parameters: a cache-sized piece at a time for an element-wise kernel (AdamW), whole parameters
+   for one that needs them (APOLLO's projections). No fp32 gradient is ever written to storage;
 4. checkpoints the sub-group objects and the step counts into one HDF5 file.
 """
 
@@ -35,6 +37,10 @@ from ..snapshot import export_hdf5, import_hdf5
 from ..store import TierStore
 from .partition import Piece, SubGroup, partition, partition_whole
 from .staging import FP32, CachePolicy, SubGroupStager, _is_integer
+
+GRADIENT_CHUNK = 1 << 19
+"""fp32 elements converted at a time for the norm and for element-wise kernels (2 MiB: with the
+state it is combined with, it stays in a CPU's cache; measured best of 256K-2M here)."""
 
 
 class StagedOptimizer(torch.optim.Optimizer):
@@ -82,6 +88,7 @@ class StagedOptimizer(torch.optim.Optimizer):
         sizes = [[(index[id(p)], p.numel()) for p in group["params"]] for group in self.param_groups]
         self.subgroups = (partition_whole if whole_params else partition)(sizes, sub_group_size)
         largest = max((sg.numel for sg in self.subgroups), default=1)
+        gradient_numel = largest if whole_params else min(largest, GRADIENT_CHUNK)
         self.stager = SubGroupStager(
             store,
             namespace,
@@ -89,14 +96,16 @@ class StagedOptimizer(torch.optim.Optimizer):
             dram_budget=dram_budget,
             prefetch_depth=prefetch_depth,
             cache_policy=cache_policy,
-            reserved_bytes=FP32 * largest,  # the fp32 gradient buffer
+            reserved_bytes=FP32 * gradient_numel,  # the fp32 gradient buffer
         )
         self.step_count = 0
         """Steps taken (overflow-skipped ones excluded); the sub-group order alternates with it."""
         self.param_steps = [0] * len(self.params)
         """Per parameter, the steps on which it had a gradient: its bias correction, as in torch."""
         self.skipped_steps = 0
-        self._grad = aligned_tensor(largest)
+        self._grad = aligned_tensor(gradient_numel)
+        """The fp32 gradient buffer: a whole sub-group's for ``whole_params`` optimizers (their
+        kernels need whole parameters), else :data:`GRADIENT_CHUNK` elements."""
 
     # -- what an optimizer supplies ---------------------------------------------------------------
     @abstractmethod
@@ -108,9 +117,10 @@ class StagedOptimizer(torch.optim.Optimizer):
         """fp32 values of the sub-group's state object (master weights included)."""
 
     @abstractmethod
-    def _update(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
-        """Update the sub-group's state in place from its fp32 gradients (pieces without a gradient
-        are absent) and copy the new master weights into the model."""
+    def _update(self, sg: SubGroup, state: torch.Tensor, coefficient: float) -> None:
+        """Update the sub-group's state in place from its gradients times ``coefficient`` (from
+        :meth:`_gradients` or :meth:`_gradient_chunks`) and copy the new master weights into the
+        model."""
 
     @abstractmethod
     def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
@@ -150,10 +160,7 @@ class StagedOptimizer(torch.optim.Optimizer):
                         self.param_steps[number] += 1
                 for index in order:
                     state = self.stager.acquire(index)
-                    sg = self.subgroups[index]
-                    grads = self._gradients(sg, coefficient)
-                    if grads:
-                        self._update(sg, state, grads)
+                    self._update(self.subgroups[index], state, coefficient)
                     self.stager.release(index)
         finally:
             self.stager.end_pass()
@@ -216,8 +223,8 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     def _gradients(self, sg: SubGroup, coefficient: float) -> list[tuple[Piece, torch.Tensor]]:
         """Delayed conversion: the sub-group's low-precision gradients into the one fp32 buffer (at
-        the pieces' offsets), times the coefficient. A piece without a gradient is left out: as in
-        torch, no gradient means no update and no weight decay."""
+        the pieces' offsets; ``whole_params`` optimizers only), times the coefficient. A piece without
+        a gradient is left out: as in torch, no gradient means no update and no weight decay."""
         grads = []
         for piece in sg.pieces:
             grad = self.params[piece.param].grad
@@ -230,6 +237,44 @@ class StagedOptimizer(torch.optim.Optimizer):
             self._grad[: sg.numel].mul_(coefficient)
         return grads
 
+    def _gradient_chunks(
+        self, sg: SubGroup, coefficient: float
+    ) -> Iterator[list[tuple[Piece, torch.Tensor]]]:
+        """The same as :meth:`_gradients`, a buffer's worth at a time: each chunk lists pieces (parts
+        of the sub-group's, cut at the buffer's end) with their fp32 gradients. An element-wise
+        kernel run on each chunk reads the converted gradient while it is still in cache: a whole
+        sub-group's worth would go out to memory and come back, traffic that on a VM slows the
+        state I/O sharing the memory bus (the README's benchmarks)."""
+        room = self._grad.numel()
+        chunk: list[tuple[Piece, torch.Tensor]] = []
+        used = 0
+        for piece in sg.pieces:
+            grad = self.params[piece.param].grad
+            if grad is None:
+                continue
+            flat = grad.view(-1)
+            done = 0
+            while done < piece.length:
+                take = min(piece.length - done, room - used)
+                part = Piece(piece.param, piece.param_offset + done, piece.offset + done, take)
+                converted = self._grad[used : used + take]
+                converted.copy_(flat[part.param_offset : part.param_offset + take])
+                chunk.append((part, converted))
+                used += take
+                done += take
+                if used == room:
+                    yield self._scaled(chunk, used, coefficient)
+                    chunk, used = [], 0
+        if chunk:
+            yield self._scaled(chunk, used, coefficient)
+
+    def _scaled(
+        self, chunk: list[tuple[Piece, torch.Tensor]], used: int, coefficient: float
+    ) -> list[tuple[Piece, torch.Tensor]]:
+        if coefficient != 1.0:
+            self._grad[:used].mul_(coefficient)
+        return chunk
+
     def _copy_to_model(self, piece: Piece, master: torch.Tensor) -> None:
         """A piece's new master weights into the model's (low-precision) parameter."""
         target = self.params[piece.param].data.view(-1)
@@ -237,10 +282,7 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     def _gradient_coefficient(self, grad_scale: float) -> float | None:
         """1/grad_scale times the clipping factor, or None if the gradients overflowed."""
-        squares = 0.0
-        for param in self.params:
-            if param.grad is not None:
-                squares += self._norm(param.grad) ** 2
+        squares = sum(self._squares(param.grad) for param in self.params if param.grad is not None)
         total = math.sqrt(squares) / grad_scale
         if not math.isfinite(total):
             return None
@@ -249,19 +291,20 @@ class StagedOptimizer(torch.optim.Optimizer):
             coefficient *= min(1.0, self.max_grad_norm / (total + 1e-6))  # as clip_grad_norm_
         return coefficient
 
-    def _norm(self, grad: torch.Tensor) -> float:
-        """The fp32 2-norm of a gradient. A low-precision one goes through the fp32 gradient buffer
-        in pieces: converting first and then reducing is ~3.5x faster on a CPU than the reduction
-        converting as it goes (``vector_norm(dtype=torch.float32)``), and needs no full-size copy."""
-        if grad.dtype == torch.float32:
-            return float(torch.linalg.vector_norm(grad))
+    def _squares(self, grad: torch.Tensor) -> float:
+        """A gradient's sum of squares, in fp32 over cache-sized pieces summed in double. A
+        low-precision gradient is converted piece by piece into the fp32 buffer: converting and then
+        reducing is ~3.5x faster on a CPU than the reduction converting as it goes
+        (``vector_norm(dtype=torch.float32)``), and a piece that stays in cache is ~2.5x faster
+        again than a whole sub-group's."""
         flat, squares = grad.reshape(-1), 0.0
-        for start in range(0, flat.numel(), self._grad.numel()):
-            part = flat[start : start + self._grad.numel()]
-            converted = self._grad[: part.numel()]
-            converted.copy_(part)
-            squares += float(torch.linalg.vector_norm(converted)) ** 2
-        return math.sqrt(squares)
+        size = min(self._grad.numel(), GRADIENT_CHUNK)
+        for start in range(0, flat.numel(), size):
+            part = flat[start : start + size]
+            if part.dtype != torch.float32:
+                part = self._grad[: part.numel()].copy_(part)
+            squares += float(torch.dot(part, part))
+        return squares
 
     def _write_all(self, saved: dict[Any, Any] | None) -> None:
         """Write every sub-group's state (from ``saved``, or fresh) to the store."""

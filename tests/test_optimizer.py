@@ -8,7 +8,7 @@ import h5py
 import pytest
 import torch
 from tierstore.backends import open_backend
-from tierstore.optimizer import OffloadedAdamW, partition
+from tierstore.optimizer import OffloadedAdamW, engine, partition
 
 from tierstore import BufferMismatchError, CapacityError, ConfigError, Tier, TierStore
 
@@ -98,6 +98,21 @@ def test_clipping_and_weight_decay(tmp_path: Path, max_grad_norm: float | None, 
             sub_group_size=999,
         )
         assert_matches(optimizer, reference)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_gradients_converted_a_small_chunk_at_a_time_match_torch_adamw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_grad_norm: float | None
+) -> None:
+    """Chunks of 64 elements cut every parameter (and the norm's pieces) at odd places; the DRAM
+    budget then reserves a 64-element gradient buffer, not a sub-group's."""
+    monkeypatch.setattr(engine, "GRADIENT_CHUNK", 64)
+    with make_store(tmp_path, "nvme") as store:
+        optimizer, reference = run_pair(
+            store, grad_dtype=torch.bfloat16, steps=5, max_grad_norm=max_grad_norm, sub_group_size=1500
+        )
+        assert_matches(optimizer, reference)
+        assert optimizer.stager.working_bytes == 2 * optimizer.stager.slot_bytes + 4 * 64
 
 
 def test_loss_scaling_skips_overflowing_steps(tmp_path: Path) -> None:
