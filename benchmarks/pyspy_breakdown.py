@@ -19,8 +19,8 @@ from pathlib import Path
 RATE = 100
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("checksums", re.compile(r"^(digest|xxh3\w*) ")),
-    ("adam kernel", re.compile(r"^(\w+\._update|_update) \(.*(adamw|apollo)\.py")),
-    ("gradient conversion", re.compile(r"^(\w+\.)?_gradients \(")),
+    ("adam kernel", re.compile(r"^(\w+\.)?(_update|_adamw) \(.*(adamw|apollo)\.py")),
+    ("gradient conversion", re.compile(r"^(\w+\.)?(_gradients|_gradient_chunks|_scaled) \(")),
     ("gradient norm", re.compile(r"^(\w+\.)?_gradient_coefficient \(")),
     ("copies", re.compile(r"^(_copy|\w+\._copy_to_model|\w+\._write_back_pack) \(")),
     (

@@ -23,16 +23,35 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose matmul may run in another dtype than its (bf16) weights: on CPUs without
+    native bf16, torch's bf16 GEMM is up to 270x slower than fp32 for some layouts (backward's
+    ``grad @ weight``), which would make the example's iterations all compute. Parameters,
+    gradients and what the optimizer moves keep their dtype."""
+
+    def __init__(
+        self, inputs: int, outputs: int, bias: bool = True, compute: torch.dtype | None = None
+    ) -> None:
+        super().__init__(inputs, outputs, bias=bias)
+        self.compute = compute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute is None or self.compute == x.dtype:
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.to(self.compute)
+        return F.linear(x.to(self.compute), self.weight.to(self.compute), bias).to(x.dtype)
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, compute: torch.dtype | None = None) -> None:
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
+        self.qkv = Linear(width, 3 * width, compute=compute)
+        self.proj = Linear(width, width, compute=compute)
         self.norm2 = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
+        self.up = Linear(width, 4 * width, compute=compute)
+        self.down = Linear(4 * width, width, compute=compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
@@ -43,13 +62,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, width: int, layers: int, heads: int, length: int) -> None:
+    def __init__(
+        self, vocab: int, width: int, layers: int, heads: int, length: int, compute: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Embedding(length, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, compute) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
+        self.head = Linear(width, vocab, bias=False, compute=compute)
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor, skip_last_block: bool = False
@@ -145,6 +166,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         help="steps (comma-separated) whose forward leaves the last block out, so it gets no gradient",
     )
     parser.add_argument("--parameters", type=Path, help="rank 0 saves the trained parameters here (torch)")
+    parser.add_argument(
+        "--matmul-dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="dtype the linear layers multiply in (float32: for CPUs without fast bf16 GEMM)",
+    )
     args = parser.parse_args(argv)
 
     for key, value in {
@@ -161,7 +188,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.width, args.layers, args.heads, args.length)
+    model = GPT(
+        args.vocab, args.width, args.layers, args.heads, args.length, getattr(torch, args.matmul_dtype)
+    )
     start_initialize = deepspeed.initialize if args.offload == "deepspeed" else initialize
     engine, *_ = start_initialize(
         model=model, model_parameters=model.parameters(), config=ds_config(args, world)
