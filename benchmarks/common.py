@@ -224,7 +224,14 @@ def measure_fio(directory: Path, nbytes: int) -> dict[str, float]:
 
 
 def measure_update_bound(
-    directory: Path, *, read_bytes: int, write_bytes: int, files: int, request_bytes: int, in_flight: int
+    directory: Path,
+    *,
+    read_bytes: int,
+    write_bytes: int,
+    files: int,
+    request_bytes: int,
+    in_flight: int,
+    busy_core: bool = True,
 ) -> dict[str, float]:
     """The device's limit for an update phase's I/O, replayed by fio: ``read_bytes`` read from
     ``files`` files while ``write_bytes`` are written to as many others, both at once, O_DIRECT,
@@ -233,7 +240,8 @@ def measure_update_bound(
     Both sets of files are laid out first (not timed), so the writes overwrite written blocks as
     tierstore's do (its backend recycles deleted files). Returns the seconds until both jobs are
     done (the bound) and each direction's GB/s while they ran together, and the same replay's
-    seconds with one core kept busy (``bound_one_core_busy_s``, see :func:`_busy_core`)."""
+    seconds with one core kept busy (``bound_one_core_busy_s``, see :func:`_busy_core`) unless
+    ``busy_core`` is false."""
     directory.mkdir(parents=True, exist_ok=True)
     depth = max(1, in_flight // 2)
     request_bytes = max(4096, request_bytes // 4096 * 4096)
@@ -259,6 +267,8 @@ def measure_update_bound(
         _fio(common + job("update-write", "write", write_bytes))
         os.sync()
         idle = _replay_seconds(_fio(replay))
+        if not busy_core:
+            return idle
         with _busy_core():
             busy = _replay_seconds(_fio(replay))
     finally:
