@@ -87,6 +87,7 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             stager.working_bytes + stager.pool.capacity,
             [3 * FP32 * numel] * count,
             working_bytes=stager.working_bytes,
+            compute_seconds=optimizer.compute_seconds,  # the last step's own work
         )
     return {
         "subgroups": count,

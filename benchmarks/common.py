@@ -238,10 +238,12 @@ def measure_update_bound(
     ``request_bytes`` per request and ``in_flight`` requests in flight in all (half each way).
 
     Both sets of files are laid out first (not timed), so the writes overwrite written blocks as
-    tierstore's do (its backend recycles deleted files). Returns the seconds until both jobs are
-    done (the bound) and each direction's GB/s while they ran together, and the same replay's
-    seconds with one core kept busy (``bound_one_core_busy_s``, see :func:`_busy_core`) unless
-    ``busy_core`` is false."""
+    tierstore's do (its backend recycles deleted files). The replay runs twice and the faster one
+    is the bound: right after laying out tens of GB this virtual disk is slow for a while (its host
+    writes them back), which is the layout's cost, not the device's limit. Returns the seconds
+    until both jobs are done (the bound) and each direction's GB/s while they ran together, and the
+    seconds of one more replay with a core kept busy (``bound_one_core_busy_s``, see
+    :func:`_busy_core`) unless ``busy_core`` is false."""
     directory.mkdir(parents=True, exist_ok=True)
     depth = max(1, in_flight // 2)
     request_bytes = max(4096, request_bytes // 4096 * 4096)
@@ -266,7 +268,7 @@ def measure_update_bound(
         _fio(common + job("update-read", "write", read_bytes))  # lay out both sets of files
         _fio(common + job("update-write", "write", write_bytes))
         os.sync()
-        idle = _replay_seconds(_fio(replay))
+        idle = min((_replay_seconds(_fio(replay)) for _ in range(2)), key=lambda run: run["bound_s"])
         if not busy_core:
             return idle
         with _busy_core():

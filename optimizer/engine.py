@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from abc import abstractmethod
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -103,6 +104,10 @@ class StagedOptimizer(torch.optim.Optimizer):
         self.param_steps = [0] * len(self.params)
         """Per parameter, the steps on which it had a gradient: its bias correction, as in torch."""
         self.skipped_steps = 0
+        self.compute_seconds = 0.0
+        """Wall seconds the last step spent in its own work (norm, conversion, kernels, copies into
+        the model) rather than waiting on the store: the compute term of the I/O model's
+        :func:`~tierstore.model.plan_pass`."""
         self._grad = aligned_tensor(gradient_numel)
         """The fp32 gradient buffer: a whole sub-group's for ``whole_params`` optimizers (their
         kernels need whole parameters), else :data:`GRADIENT_CHUNK` elements."""
@@ -150,7 +155,9 @@ class StagedOptimizer(torch.optim.Optimizer):
         self.stager.begin_pass(order, {sg.index: self.state_numel(sg) for sg in self.subgroups})
         try:
             with _torch_threads(self.compute_threads):
+                started = time.perf_counter()
                 coefficient = self._gradient_coefficient(grad_scale)
+                compute = time.perf_counter() - started
                 if coefficient is None:
                     self.skipped_steps += 1
                     return loss
@@ -160,8 +167,11 @@ class StagedOptimizer(torch.optim.Optimizer):
                         self.param_steps[number] += 1
                 for index in order:
                     state = self.stager.acquire(index)
+                    started = time.perf_counter()
                     self._update(self.subgroups[index], state, coefficient)
+                    compute += time.perf_counter() - started
                     self.stager.release(index)
+                self.compute_seconds = compute
         finally:
             self.stager.end_pass()
         return loss

@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed")
 
 import torch
 from tierstore.integrations.deepspeed import check_deepspeed_version, validate_config
-from tierstore.integrations.deepspeed.example import GPT
+from tierstore.integrations.deepspeed.example import GPT, Linear
 from tierstore.integrations.deepspeed.seams import LEGACY_MANIFEST, SNAPSHOT, migrate_legacy_snapshot
 
 from tierstore import ConfigError, UnsupportedVersionError
@@ -182,6 +182,22 @@ def test_subgroups_without_a_gradient_yet_are_left_alone(scratch: Path) -> None:
     for name in untouched:
         assert torch.equal(trained[f"blocks.1.{name}"], initial[f"blocks.1.{name}"]), name
     assert not torch.equal(trained["blocks.0.up.weight"], initial["blocks.0.up.weight"])
+
+
+def test_the_examples_linear_layers_multiply_in_fp32_over_bf16_weights() -> None:
+    """``--matmul-dtype float32``: bf16 weights, activations and gradients, fp32 products."""
+    torch.manual_seed(0)
+    layer = Linear(64, 32, compute=torch.float32).bfloat16()
+    x = torch.randn(8, 64).bfloat16().requires_grad_()
+    y = layer(x)
+    y.float().square().sum().backward()
+    assert y.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16  # type: ignore[union-attr]
+    weight = layer.weight.detach().float().requires_grad_()
+    expected = torch.nn.functional.linear(x.detach().float(), weight, layer.bias.detach().float())
+    expected.bfloat16().float().square().sum().backward()  # type: ignore[no-untyped-call]
+    assert torch.equal(y, expected.bfloat16())
+    torch.testing.assert_close(layer.weight.grad, weight.grad.bfloat16())  # type: ignore[union-attr]
+    assert Linear(64, 32, compute=torch.bfloat16).bfloat16()(x).dtype == torch.bfloat16  # bf16: plain path
 
 
 def test_checkpoint_resumes_exactly(scratch: Path) -> None:
