@@ -254,6 +254,19 @@ def steady(side: dict[str, Any], field: str) -> float:
     return float(statistics.median(values))
 
 
+def replayed(run: dict[str, Any], directory: Path, *, busy_core: bool) -> dict[str, float]:
+    """The device bound of a tierstore run: fio replaying its steady step's I/O."""
+    return measure_update_bound(
+        directory,
+        read_bytes=int(steady(run, "bytes_read")),
+        write_bytes=int(steady(run, "bytes_written")),
+        files=max(1, run["subgroups"] - run["kept_in_dram"]),
+        request_bytes=NVME_CHUNK,
+        in_flight=NVME_QUEUE_DEPTH,
+        busy_core=busy_core,
+    )
+
+
 def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[str]:
     return [
         sys.executable,
@@ -296,16 +309,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             if side == "tierstore":  # the bound right after it: the disk in the same mood
                 ours = runs["tierstore"][-1]
                 log(f"repeat {repeat}: device bound (fio) ...")
-                runs["device_bound"].append(
-                    measure_update_bound(
-                        directory,
-                        read_bytes=int(steady(ours, "bytes_read")),
-                        write_bytes=int(steady(ours, "bytes_written")),
-                        files=max(1, ours["subgroups"] - ours["kept_in_dram"]),
-                        request_bytes=NVME_CHUNK,
-                        in_flight=NVME_QUEUE_DEPTH,
-                    )
-                )
+                runs["device_bound"].append(replayed(ours, directory, busy_core=True))
     profile = None
     if args.profile:
         log("tierstore under py-spy ...")
@@ -372,15 +376,7 @@ def scale(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         bound = None
         if moved:
             log(f"state {state / 2**30:.0f} GiB: device bound (fio) ...")
-            bound = measure_update_bound(
-                directory,
-                read_bytes=int(steady(result, "bytes_read")),
-                write_bytes=int(steady(result, "bytes_written")),
-                files=max(1, result["subgroups"] - result["kept_in_dram"]),
-                request_bytes=NVME_CHUNK,
-                in_flight=NVME_QUEUE_DEPTH,
-                busy_core=False,
-            )
+            bound = replayed(result, directory, busy_core=False)
         sizes.append(
             {
                 "state_bytes": state,
