@@ -110,11 +110,20 @@ def test_deleted_files_are_recycled_for_objects_of_the_same_size(tmp_path: Path)
         backend.read_into("v2", 0, out).result()
         assert bytes(out) == new
         backend.write("w", 0, other).result()
+        other_blocks = os.stat(tmp_path / "w").st_ino
         backend.delete("v2")
-        backend.delete("w")  # the spare slot is taken: unlinked at once
-        assert sorted(p.name.startswith(".spare") for p in tmp_path.iterdir()) == [True]
-        backend.write("v3", 0, other).result()  # no spare of this size: a fresh file
+        backend.delete("w")  # the one place is taken: the older spare (v2's) makes room
+        (directory,) = [p for p in tmp_path.iterdir() if p.name.startswith(".spares")]
+
+        def spares() -> list[int]:
+            return [os.stat(p).st_size for p in directory.iterdir() if p.name != ".lock"]
+
+        assert spares() == [len(other)]
+        backend.write("v3", 0, old).result()  # v2's size: no spare left for it, a fresh file
+        assert spares() == [len(other)]
+        backend.write("w2", 0, other).result()  # w's size: written into w's blocks
+        assert os.stat(tmp_path / "w2").st_ino == other_blocks and spares() == []
         out = bytearray(len(other))
-        backend.read_into("v3", 0, out).result()
+        backend.read_into("w2", 0, out).result()
         assert bytes(out) == other
-    assert [p.name for p in tmp_path.iterdir()] == ["v3"]  # close() removed the spare
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3", "w2"]  # close() removed no object
