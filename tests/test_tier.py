@@ -263,3 +263,26 @@ def test_meters_of_one_path_credit_concurrent_reads_and_writes_with_the_shared_d
 def test_a_tier_path_shares_one_in_flight_count_between_its_directions() -> None:
     path = TierPath("p", open_backend({"type": "dram"}))
     assert path.meters["read"].in_flight is path.meters["write"].in_flight
+
+
+def test_a_path_is_busy_while_any_request_of_either_direction_is_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read from 0 to 2 s and a write from 1 to 3 s, then nothing until 5 s: each direction was
+    busy 2 s, the path 3 s (the overlap counted once, the idle tail not at all)."""
+    clock = _Clock()
+    monkeypatch.setattr("tierstore.bandwidth.time.monotonic", clock)
+    path = TierPath("p", open_backend({"type": "dram"}))
+    read, write = path.meters["read"], path.meters["write"]
+    reading = read.started()
+    clock.now = 1.0
+    writing = write.started()
+    clock.now = 2.0
+    read.finished(reading, 1)
+    clock.now = 3.0
+    write.finished(writing, 1)
+    clock.now = 5.0
+    assert read.busy_seconds == pytest.approx(2.0) and write.busy_seconds == pytest.approx(2.0)
+    assert path.busy_seconds == pytest.approx(3.0)
+    assert path.stats()["busy_seconds"] == pytest.approx(3.0)
+    path.close()

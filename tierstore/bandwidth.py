@@ -33,6 +33,7 @@ class InFlight:
     def __init__(self) -> None:
         self._count = 0
         self._integral = 0.0
+        self._busy = 0.0
         self._last = time.monotonic()
         self._lock = threading.Lock()
 
@@ -52,9 +53,19 @@ class InFlight:
             duration = now - began
             return duration, (self._integral - integral) / duration if duration > 0 else 1.0
 
+    @property
+    def busy_seconds(self) -> float:
+        """Time with at least one request in flight: how long the path (the device, when both
+        directions share this count) had work, whatever the direction."""
+        with self._lock:
+            self._advance()
+            return self._busy
+
     def _advance(self) -> float:
         now = time.monotonic()
-        self._integral += self._count * (now - self._last)
+        if self._count:
+            self._integral += self._count * (now - self._last)
+            self._busy += now - self._last
         self._last = now
         return now
 

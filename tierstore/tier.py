@@ -123,6 +123,11 @@ class TierPath:
             return self.configured
         return Bandwidth(read=read, write=write)
 
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds with any request in flight on this path, reads and writes alike."""
+        return self.meters["read"].in_flight.busy_seconds
+
     def write(self, name: str, data: memoryview, priority: Priority) -> Future[None]:
         return self.scheduler.submit(
             "write", priority, data.nbytes, lambda: self.backend.write(name, 0, data)
@@ -164,6 +169,7 @@ class TierPath:
             "requests": telemetry.requests,
             "queue_wait_seconds": round(telemetry.queue_wait_seconds, 6),
             "max_in_flight": dict(telemetry.max_in_flight),
+            "busy_seconds": round(self.busy_seconds, 6),
             "estimate": estimate.as_gbps() if estimate else None,
         }
         for direction, meter in self.meters.items():
