@@ -55,7 +55,8 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
 	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
 	$(BIN)/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json
-	$(BIN)/python benchmarks/bench_optimizer.py --output benchmarks/results/optimizer.json
+	$(BIN)/python benchmarks/bench_optimizer.py --repeats 5 --profile --output benchmarks/results/optimizer.json
+	$(BIN)/python benchmarks/predict_mlp_offload.py --output benchmarks/results/mlp_offload_prediction.json
 	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
 
 clean:

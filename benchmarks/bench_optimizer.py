@@ -12,14 +12,17 @@ in sub-groups of ``--numel`` elements on the same local disk, with the same DRAM
   first, as its backward pass does (timed apart, not in the update phase).
 
 Each side runs in a fresh child process (``--side``), ``--repeats`` times, alternating (A B, B A,
-...), and right after each tierstore run comes the **device bound**: fio replaying that run's I/O
-(the same bytes read and written, concurrently, O_DIRECT, the nvme backend's request size and
-requests in flight, on as many files as sub-groups moved), once with the CPU idle and once with
-one core kept busy, as an update's kernels keep it (on a VM that alone slows the disk). Reported: seconds
-per step of each side (median of the steps after the first; median, min and max over repeats),
-bytes moved, DeepSpeed / tierstore, tierstore / device bound, and the I/O model's predicted update
-time over the measured one (``tierstore.model.plan_pass`` on the bandwidths the store measured
-during each step and that step's compute time; the median over steady steps).
+...), and right after each tierstore run comes its **bound**: fio replaying that run's I/O (the
+same bytes read and written, concurrently, O_DIRECT, the nvme backend's request size and requests
+in flight, on the files of the sub-groups moved, the writes a few files behind the reads as
+tierstore's recycled files are), with the CPU idle; or the step's own compute where that is
+longer. One more replay runs with the step's compute beside it in another process (``--side
+compute``: on this VM the kernels' memory traffic slows the disk), the longer of the two being
+the bound of a step that overlaps its I/O and its compute perfectly. Reported: seconds per step
+of each side (median of the steps after the first; median, min and max over repeats), bytes
+moved, DeepSpeed / tierstore, tierstore / both bounds, and the I/O model's predicted update time
+over the measured one (``tierstore.model.plan_pass`` on the bandwidths the store measured during
+each step and that step's compute time; the median over steady steps).
 
     .venv/bin/python benchmarks/bench_optimizer.py --output benchmarks/results/optimizer.json
 
@@ -57,6 +60,7 @@ from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, StagedOptimizer
 
 from tierstore import Tier, TierStore
+from tierstore.buffers import aligned_tensor
 from tierstore.model import plan_pass
 
 FP32 = 4
@@ -108,6 +112,34 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     }
 
 
+def compute_side(args: argparse.Namespace) -> None:
+    """The update's compute alone, beside a replay of its I/O (``common.measure_update_bound``):
+    the gradient norm, then each sub-group's gradient conversion, AdamW kernel and copy into the
+    bf16 model, the calls :meth:`StagedOptimizer.step` makes, on two DRAM buffers in turn instead
+    of staged state, with the threads a step uses. Prints ``ready``, starts on a line from stdin,
+    ends by printing its seconds."""
+    count, numel = geometry(args)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(numel).to(torch.bfloat16)) for _ in range(count)]
+    for param in params:
+        param.grad = torch.randn(param.shape, dtype=torch.bfloat16).mul_(1e-3)
+    with TierStore([Tier("dram", open_backend({"type": "dram"}))], cache_budget=0) as store:
+        optimizer = OffloadedAdamW(params, store, lr=1e-4, sub_group_size=numel, dram_budget=args.budget)
+        optimizer.step()  # step counts of 1, as in a steady step's bias correction
+        ring = [
+            aligned_tensor(optimizer.state_numel(sg)).zero_() for sg in optimizer.subgroups[:2]
+        ]  # faulted in
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))  # compute_threads' default
+        print("ready", flush=True)
+        sys.stdin.readline()
+        started = time.perf_counter()
+        coefficient = optimizer._gradient_coefficient(1.0)
+        assert coefficient is not None
+        for index, sg in enumerate(optimizer.subgroups):
+            optimizer._update(sg, ring[index % 2][: optimizer.state_numel(sg)], coefficient)
+        print(round(time.perf_counter() - started, 3), flush=True)
+
+
 def timed_steps(
     optimizer: StagedOptimizer,
     params: list[torch.nn.Parameter],
@@ -116,13 +148,15 @@ def timed_steps(
     name: str,
     predicted: Callable[[], float] | None = None,
 ) -> list[dict[str, Any]]:
-    """``count`` optimizer steps on fresh small bf16 gradients: seconds and tier bytes of each,
-    and what ``predicted`` (called after the step) says it should have taken."""
+    """``count`` optimizer steps on fresh small bf16 gradients: seconds of each, the part of them
+    spent computing rather than waiting on the store, the seconds the tier's paths had requests in
+    flight, tier bytes, and what ``predicted`` (called after the step) says it should have taken."""
     steps = []
     for step in range(count):
         for param in params:
             param.grad = torch.randn(param.shape, dtype=torch.bfloat16).mul_(1e-3)
         read, written = tier.bytes_read, tier.bytes_written
+        busy = sum(path.busy_seconds for path in tier.paths)
         started = time.perf_counter()
         optimizer.step()
         seconds = time.perf_counter() - started
@@ -130,6 +164,8 @@ def timed_steps(
             {
                 "step": step,
                 "update_s": round(seconds, 3),
+                "compute_s": round(optimizer.compute_seconds, 3),
+                "device_busy_s": round(sum(path.busy_seconds for path in tier.paths) - busy, 3),
                 "bytes_read": tier.bytes_read - read,
                 "bytes_written": tier.bytes_written - written,
             }
@@ -276,17 +312,31 @@ def predicted_over_measured(side: dict[str, Any]) -> float:
     return round(statistics.median(s["predicted_update_s"] / s["update_s"] for s in steps), 3)
 
 
-def replayed(run: dict[str, Any], directory: Path, *, busy_core: bool) -> dict[str, float]:
-    """The device bound of a tierstore run: fio replaying its steady step's I/O."""
-    return measure_update_bound(
+def bounded(run: dict[str, Any], directory: Path, beside: list[str] | None = None) -> dict[str, float]:
+    """A tierstore run's bound: its steady step can be no faster than fio replaying the step's I/O
+    (the device bound, ``device_s``) nor than the step's own compute (``compute_s``: the kernels,
+    the gradient norm and conversion, the copies into the model; what the step spent not waiting on
+    the store). ``bound_s`` is the larger; a step that moves nothing is bound by its compute.
+    ``beside``: also replay the I/O with that command (the ``compute`` side) running beside it."""
+    compute = steady(run, "compute_s")
+    read, written = int(steady(run, "bytes_read")), int(steady(run, "bytes_written"))
+    if not read + written:
+        return {"compute_s": compute, "bound_s": compute}
+    device = measure_update_bound(
         directory,
-        read_bytes=int(steady(run, "bytes_read")),
-        write_bytes=int(steady(run, "bytes_written")),
+        read_bytes=read,
+        write_bytes=written,
         files=max(1, run["subgroups"] - run["kept_in_dram"]),
         request_bytes=NVME_CHUNK,
         in_flight=NVME_QUEUE_DEPTH,
-        busy_core=busy_core,
+        beside=beside,
     )
+    return {
+        **device,
+        "device_s": device["bound_s"],
+        "compute_s": compute,
+        "bound_s": max(device["bound_s"], compute),
+    }
 
 
 def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[str]:
@@ -331,16 +381,17 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             if side == "tierstore":  # the bound right after it: the disk in the same mood
                 ours = runs["tierstore"][-1]
                 log(f"repeat {repeat}: device bound (fio) ...")
-                runs["device_bound"].append(replayed(ours, directory, busy_core=True))
+                compute = child_command("compute", args, directory)
+                runs["device_bound"].append(bounded(ours, directory, beside=compute))
     profile = None
     if args.profile:
         log("tierstore under py-spy ...")
         profile = profiled(args, directory)
     update = {side: [steady(r, "update_s") for r in runs[side]] for side in ("tierstore", "deepspeed")}
     bound = [b["bound_s"] for b in runs["device_bound"]]
-    busy_bound = [b["bound_one_core_busy_s"] for b in runs["device_bound"]]
+    compute_bound = [b["bound_with_compute_s"] for b in runs["device_bound"]]
     over_bound = [u / b for u, b in zip(update["tierstore"], bound, strict=True)]
-    over_busy_bound = [u / b for u, b in zip(update["tierstore"], busy_bound, strict=True)]
+    over_compute_bound = [u / b for u, b in zip(update["tierstore"], compute_bound, strict=True)]
     predicted = [predicted_over_measured(r) for r in runs["tierstore"]]
     return {
         "benchmark": "optimizer_update_phase",
@@ -365,8 +416,8 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 statistics.median(update["deepspeed"]) / statistics.median(update["tierstore"]), 3
             ),
             "tierstore_over_device_bound": spread(over_bound),
-            "device_bound_one_core_busy_s": spread(busy_bound),
-            "tierstore_over_device_bound_one_core_busy": spread(over_busy_bound),
+            "bound_with_compute_s": spread(compute_bound),
+            "tierstore_over_bound_with_compute": spread(over_compute_bound),
             "predicted_over_measured": spread(predicted),
             "bytes_moved": {
                 "tierstore": steady(runs["tierstore"][0], "bytes_read")
@@ -386,8 +437,9 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 def scale(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """State larger than RAM: tierstore alone at each of ``--sizes`` with one budget, a fresh
     process each; cost per GB moved and peak RSS against budget + model, per size. Each run is
-    followed at once by its device bound (fio replaying its I/O): the disk drifts 2-3x between
-    runs minutes apart, so the cost per GB is also given against what the disk gave just then."""
+    followed at once by its bound (:func:`bounded`: fio replaying its I/O, or its own compute): the
+    disk drifts 2-3x between runs minutes apart, and a step whose sub-groups mostly stay in DRAM is
+    bound by its kernels, not its bytes, so the cost is also given against that bound."""
     started = time.perf_counter()
     sizes = []
     for state in args.sizes:
@@ -395,20 +447,18 @@ def scale(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         result = child("tierstore", argparse.Namespace(**{**vars(args), "state": state}), directory)
         moved = steady(result, "bytes_read") + steady(result, "bytes_written")
         limit = args.budget + result["model_bytes"]
-        bound = None
-        if moved:
-            log(f"state {state / 2**30:.0f} GiB: device bound (fio) ...")
-            bound = replayed(result, directory, busy_core=False)
+        log(f"state {state / 2**30:.0f} GiB: bound (fio replaying its I/O) ...")
+        bound = bounded(result, directory)
+        update = steady(result, "update_s")
         sizes.append(
             {
                 "state_bytes": state,
-                "update_s": steady(result, "update_s"),
+                "update_s": update,
                 "bytes_moved": moved,
-                "s_per_gb": round(steady(result, "update_s") / (moved / 1e9), 4) if moved else None,
-                "device_bound": bound,
-                "over_device_bound": round(steady(result, "update_s") / bound["bound_s"], 3)
-                if bound
-                else None,
+                "s_per_gb": round(update / (moved / 1e9), 4) if moved else None,
+                "device_s_per_gb": round(bound["device_s"] / (moved / 1e9), 4) if moved else None,
+                "bound": bound,
+                "over_bound": round(update / bound["bound_s"], 3),
                 "peak_rss_bytes": result["peak_rss_bytes"],
                 "budget_plus_model_bytes": limit,
                 "peak_rss_over_budget_plus_model": round(result["peak_rss_bytes"] / limit, 3),
@@ -418,7 +468,7 @@ def scale(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             }
         )
     per_gb = [size["s_per_gb"] for size in sizes if size["s_per_gb"] is not None]  # None: all kept in DRAM
-    over_bound = [size["over_device_bound"] for size in sizes if size["over_device_bound"] is not None]
+    over_bound = [size["over_bound"] for size in sizes]
     return {
         "benchmark": "optimizer_state_scale",
         "metadata": {
@@ -428,9 +478,7 @@ def scale(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "sizes": sizes,
         "summary": {
             "s_per_gb_spread": round(max(per_gb) / min(per_gb) - 1, 3) if per_gb else None,
-            "over_device_bound_spread": round(max(over_bound) / min(over_bound) - 1, 3)
-            if over_bound
-            else None,
+            "over_bound_spread": round(max(over_bound) / min(over_bound) - 1, 3),
             "worst_peak_rss_over_budget_plus_model": max(
                 size["peak_rss_over_budget_plus_model"] for size in sizes
             ),
@@ -455,8 +503,11 @@ def main() -> int:
         default=None,
         help="state sizes, e.g. 1GiB,4GiB,16GiB,32GiB: tierstore alone at each (state larger than RAM)",
     )
-    parser.add_argument("--side", choices=["tierstore", "deepspeed"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["tierstore", "deepspeed", "compute"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.side == "compute":
+        compute_side(args)
+        return 0
     if args.side is not None:
         side = tierstore_side if args.side == "tierstore" else deepspeed_side
         print(json.dumps(side(args, args.dir)))

@@ -223,6 +223,12 @@ def measure_fio(directory: Path, nbytes: int) -> dict[str, float]:
     return {"fio_write": write, "fio_read": read}
 
 
+WRITE_LAG = 2
+"""Files the update bound's write job runs behind its read job, over the same files: tierstore
+writes each new version of a sub-group into the blocks of a version deleted moments before (the
+nvme backend recycles deleted files), so its reads and writes share one set of files."""
+
+
 def measure_update_bound(
     directory: Path,
     *,
@@ -231,52 +237,70 @@ def measure_update_bound(
     files: int,
     request_bytes: int,
     in_flight: int,
-    busy_core: bool = True,
+    beside: list[str] | None = None,
 ) -> dict[str, float]:
     """The device's limit for an update phase's I/O, replayed by fio: ``read_bytes`` read from
-    ``files`` files while ``write_bytes`` are written to as many others, both at once, O_DIRECT,
-    ``request_bytes`` per request and ``in_flight`` requests in flight in all (half each way).
+    ``files`` files while ``write_bytes`` are written, both at once, O_DIRECT, ``request_bytes``
+    per request and ``in_flight`` requests in flight in all (half each way).
 
-    Both sets of files are laid out first (not timed), so the writes overwrite written blocks as
-    tierstore's do (its backend recycles deleted files). The replay runs twice and the faster one
-    is the bound: right after laying out tens of GB this virtual disk is slow for a while (its host
-    writes them back), which is the layout's cost, not the device's limit. Returns the seconds
-    until both jobs are done (the bound) and each direction's GB/s while they ran together, and the
-    seconds of one more replay with a core kept busy (``bound_one_core_busy_s``, see
-    :func:`_busy_core`) unless ``busy_core`` is false."""
+    The writes go to the same files as the reads, :data:`WRITE_LAG` files behind, so the replay
+    touches as much of the disk as the update does (its files and their recycled versions): on this
+    virtual disk a footprint twice as large is slower per byte once it outgrows the host's cache.
+    The files are laid out first (not timed), so the writes overwrite written blocks as tierstore's
+    do. The replay runs twice and the faster one is the bound: right after laying out tens of GB
+    this virtual disk is slow for a while (its host writes them back), which is the layout's cost,
+    not the device's limit. Returns the seconds until both jobs are done (the bound) and each
+    direction's GB/s while they ran together.
+
+    With ``beside``, one more replay runs with that command started beside it (see
+    :func:`_alongside`: the update's own compute, say) and ``bound_with_compute_s`` is the longer
+    of the two: on this VM the disk's I/O shares the cores and the memory bus with the update's
+    kernels, so a step that must both move its bytes and compute can at best overlap them
+    perfectly, which is what two independent processes do."""
     directory.mkdir(parents=True, exist_ok=True)
     depth = max(1, in_flight // 2)
     request_bytes = max(4096, request_bytes // 4096 * 4096)
+    names = [f"update.{index}" for index in range(files)]
+    lag = min(WRITE_LAG, files - 1)
+    per_file = max(request_bytes, -(-max(read_bytes, write_bytes) // files) // request_bytes * request_bytes)
 
-    def job(name: str, rw: str, total: int) -> list[str]:
-        per_file = max(request_bytes, -(-total // files) // request_bytes * request_bytes)
+    def job(name: str, rw: str, order: list[str], total: int) -> list[str]:
         return [
             f"--name={name}",
             f"--rw={rw}",
             f"--directory={directory}",
-            f"--filename_format={name}.$filenum",
-            f"--nrfiles={files}",
+            f"--filename={':'.join(order)}",
             f"--filesize={per_file}",
             f"--size={per_file * files}",
+            f"--io_size={max(request_bytes, total // request_bytes * request_bytes)}",
             "--file_service_type=sequential",
             f"--iodepth={depth}",
         ]
 
     common = ["fio", "--direct=1", "--ioengine=libaio", f"--bs={request_bytes}", "--output-format=json"]
-    replay = common + job("update-read", "read", read_bytes) + job("update-write", "write", write_bytes)
+    replay = [
+        *common,
+        *job("update-read", "read", names, read_bytes),
+        *job("update-write", "write", names[files - lag :] + names[: files - lag], write_bytes),
+    ]
     try:
-        _fio(common + job("update-read", "write", read_bytes))  # lay out both sets of files
-        _fio(common + job("update-write", "write", write_bytes))
+        _fio([*common, *job("layout", "write", names, per_file * files)])
         os.sync()
         idle = min((_replay_seconds(_fio(replay)) for _ in range(2)), key=lambda run: run["bound_s"])
-        if not busy_core:
+        if beside is None:
             return idle
-        with _busy_core():
-            busy = _replay_seconds(_fio(replay))
+        with _alongside(beside) as finished:
+            shared = _replay_seconds(_fio(replay))
+        other = finished()
     finally:
-        for path in directory.glob("update-*"):
+        for path in directory.glob("update.*"):
             path.unlink(missing_ok=True)
-    return {**idle, "bound_one_core_busy_s": busy["bound_s"]}
+    return {
+        **idle,
+        "replay_with_compute_s": shared["bound_s"],
+        "compute_beside_s": other,
+        "bound_with_compute_s": max(shared["bound_s"], other),
+    }
 
 
 def _replay_seconds(report: dict[str, Any]) -> dict[str, Any]:
@@ -293,16 +317,33 @@ def _replay_seconds(report: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def _busy_core() -> Iterator[None]:
-    """One process spinning on the CPU for the duration: an update's kernels keep a core busy,
-    and on a virtual machine whose disk I/O is served by the same cores that can slow the disk,
-    which an idle-CPU bound does not show."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def _alongside(command: list[str]) -> Iterator[Callable[[], float]]:
+    """Run ``command`` during the block: it prints ``ready`` once set up, starts its timed work
+    when a line arrives on its stdin (sent as the block begins) and ends by printing its seconds.
+    Yields a function that waits for it and returns those seconds."""
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
     try:
-        yield
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{' '.join(command)} did not get ready (exit status {child.wait()})")
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        seconds: list[float] = []
+
+        def finished() -> float:
+            if not seconds:
+                output, _ = child.communicate()
+                if child.returncode != 0:
+                    raise RuntimeError(f"{' '.join(command)} failed (exit status {child.returncode})")
+                seconds.append(float(output.split()[-1]))
+            return seconds[0]
+
+        yield finished
+        finished()
     finally:
-        spinner.kill()
-        spinner.wait()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 FIO_HUGE_PAGES = 128
