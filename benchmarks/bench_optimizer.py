@@ -126,9 +126,8 @@ def compute_side(args: argparse.Namespace) -> None:
     with TierStore([Tier("dram", open_backend({"type": "dram"}))], cache_budget=0) as store:
         optimizer = OffloadedAdamW(params, store, lr=1e-4, sub_group_size=numel, dram_budget=args.budget)
         optimizer.step()  # step counts of 1, as in a steady step's bias correction
-        ring = [
-            aligned_tensor(optimizer.state_numel(sg)).zero_() for sg in optimizer.subgroups[:2]
-        ]  # faulted in
+        # Two state buffers, faulted in beforehand as the stager's ring is.
+        ring = [aligned_tensor(optimizer.state_numel(sg)).zero_() for sg in optimizer.subgroups[:2]]
         torch.set_num_threads(max(1, torch.get_num_threads() - 1))  # compute_threads' default
         print("ready", flush=True)
         sys.stdin.readline()

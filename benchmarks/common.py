@@ -253,7 +253,7 @@ def measure_update_bound(
     direction's GB/s while they ran together.
 
     With ``beside``, one more replay runs with that command started beside it (see
-    :func:`_alongside`: the update's own compute, say) and ``bound_with_compute_s`` is the longer
+    :func:`_replay_beside`: the update's own compute, say) and ``bound_with_compute_s`` is the longer
     of the two: on this VM the disk's I/O shares the cores and the memory bus with the update's
     kernels, so a step that must both move its bytes and compute can at best overlap them
     perfectly, which is what two independent processes do."""
@@ -289,9 +289,7 @@ def measure_update_bound(
         idle = min((_replay_seconds(_fio(replay)) for _ in range(2)), key=lambda run: run["bound_s"])
         if beside is None:
             return idle
-        with _alongside(beside) as finished:
-            shared = _replay_seconds(_fio(replay))
-        other = finished()
+        shared, other = _replay_beside(replay, beside)
     finally:
         for path in directory.glob("update.*"):
             path.unlink(missing_ok=True)
@@ -316,11 +314,10 @@ def _replay_seconds(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def _alongside(command: list[str]) -> Iterator[Callable[[], float]]:
-    """Run ``command`` during the block: it prints ``ready`` once set up, starts its timed work
-    when a line arrives on its stdin (sent as the block begins) and ends by printing its seconds.
-    Yields a function that waits for it and returns those seconds."""
+def _replay_beside(replay: list[str], command: list[str]) -> tuple[dict[str, Any], float]:
+    """Run the fio ``replay`` with ``command`` beside it: the command prints ``ready`` once set up,
+    starts its timed work on a line from its stdin (sent just before fio starts) and ends by
+    printing its seconds. Returns the replay's figures and those seconds."""
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
     try:
@@ -328,18 +325,11 @@ def _alongside(command: list[str]) -> Iterator[Callable[[], float]]:
             raise RuntimeError(f"{' '.join(command)} did not get ready (exit status {child.wait()})")
         child.stdin.write("go\n")
         child.stdin.flush()
-        seconds: list[float] = []
-
-        def finished() -> float:
-            if not seconds:
-                output, _ = child.communicate()
-                if child.returncode != 0:
-                    raise RuntimeError(f"{' '.join(command)} failed (exit status {child.returncode})")
-                seconds.append(float(output.split()[-1]))
-            return seconds[0]
-
-        yield finished
-        finished()
+        shared = _replay_seconds(_fio(replay))
+        output, _ = child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed (exit status {child.returncode})")
+        return shared, float(output.split()[-1])
     finally:
         if child.poll() is None:
             child.kill()

@@ -82,9 +82,11 @@ def predicted_update(params: float, nvme: float) -> dict[str, float]:
 
 def predict() -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
+    bandwidths = []
     for name, measured in MEASURED.items():
         params = measured["params"]
         nvme = BASELINE_UPDATE_BYTES * params / (measured["base_update"] / 1e3)
+        bandwidths.append(nvme)
         update = predicted_update(params, nvme)
         other = (measured["mlp_iter"] - measured["mlp_update"]) / 1e3  # forward and backward, measured
         rows.append(
@@ -104,7 +106,7 @@ def predict() -> dict[str, Any]:
                 ),
             }
         )
-    median_nvme = statistics.median(row["nvme_gb_per_s"] for row in rows) * GB
+    median_nvme = statistics.median(bandwidths)
     for name, headline in HEADLINE.items():
         params = headline["params"]
         update = predicted_update(params, median_nvme)
