@@ -7,8 +7,15 @@ and is renamed into place when complete, so a reader never sees a half-written o
 crash the next backend opened on the directory removes it (:mod:`tierstore.backends.private`),
 as it does a scratch store's ``.scratch-<id>/`` (:meth:`~Adios2Backend.claim_scratch`). One file
 per object, rather than one append-only file for all objects, means an overwrite or delete frees
-space at once, with no compaction. The ``profiling.json`` ADIOS2 drops into every ``.bp``
-directory is removed.
+space at once, with no compaction.
+
+**Nothing outside the directory.** ADIOS2 writes profiles: the writer a ``profiling.json`` into
+every ``.bp`` directory (removed once the object is written), and the BP5 reader, at every close,
+``/tmp/<base name of the path it opened>_<pid>_profiling.json``, a path no engine parameter
+changes (ADIOS2 2.10 to 2.12; ``Profile=Off`` does not stop it) and where a failure to write is
+ignored. So objects are read through a symbolic link in the private directory whose name is too
+long for that file name to exist (:data:`READER_LINK`: 250 characters, and ``NAME_MAX`` is 255):
+its write fails, and nothing lands in ``/tmp``.
 
 **Worker process.** ADIOS2's bindings hold the GIL during put/get, which would stall every other
 thread of the store; so ADIOS2 runs in a child process (``_adios2_worker.py``) and data moves
@@ -51,6 +58,8 @@ SLOTS = 2
 SlotCallback = Callable[[np.ndarray, int, int], None]
 """Called with a slot and the object byte range [start, stop) it holds (or is to hold)."""
 WORKER = Path(__file__).with_name("_adios2_worker.py")
+READER_LINK = "r" * 250
+"""The link objects are opened for reading through (see the module docstring)."""
 
 
 class Adios2Options(DirectoryOptions):
@@ -74,7 +83,7 @@ class Adios2Backend(DirectoryBackend):
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
         assert isinstance(options, Adios2Options)
-        self._writing: PrivateDirectory | None = None  # made by the first write
+        self._writing: PrivateDirectory | None = None  # made on first use: see _private()
         self._worker: _Worker | None = None
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -98,9 +107,7 @@ class Adios2Backend(DirectoryBackend):
     def _write_now(self, name: str, data: memoryview) -> None:
         """Runs on the dispatch thread, one write at a time."""
         final = self._path(name)
-        if self._writing is None:
-            self._writing = PrivateDirectory(self.root, "writing")
-        temporary = self._writing.path / final.name
+        temporary = self._private().path / final.name
         worker = self._ensure_worker()
         try:
             worker.call(
@@ -136,7 +143,7 @@ class Adios2Backend(DirectoryBackend):
         try:
             worker.call(
                 op="read_begin",
-                path=str(self._existing(name)),
+                path=self._reader_path(self._existing(name)),
                 engine=self.options.engine,
                 parameters=self.options.parameters,
             )
@@ -167,7 +174,7 @@ class Adios2Backend(DirectoryBackend):
             size = int(
                 worker.call(
                     op="read_begin",
-                    path=str(path),
+                    path=self._reader_path(path),
                     engine=self.options.engine,
                     parameters=self.options.parameters,
                 )["size"]
@@ -210,6 +217,20 @@ class Adios2Backend(DirectoryBackend):
         if not path.is_dir():
             raise KeyNotFoundError(f"adios2: no object {name!r} in {self.root}")
         return path
+
+    def _private(self) -> PrivateDirectory:
+        """This instance's private directory: objects being written, and the reader's link."""
+        if self._writing is None:
+            self._writing = PrivateDirectory(self.root, "writing")
+        return self._writing
+
+    def _reader_path(self, path: Path) -> str:
+        """``path`` as the worker opens it for reading: through :data:`READER_LINK` in the private
+        directory, pointed at it now (on the dispatch thread: one read at a time)."""
+        link = self._private().path / READER_LINK
+        link.unlink(missing_ok=True)
+        link.symlink_to(path.absolute())
+        return str(link)
 
     def _ensure_worker(self) -> _Worker:
         """The worker process, (re)started if it is not running (called on the dispatch thread)."""

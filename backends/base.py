@@ -30,6 +30,7 @@ ones, which costs a copy, so give it aligned buffers).
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 import re
 import tempfile
@@ -115,6 +116,12 @@ def prepare_root(root: Path, scheme: str) -> Path:
 
     Raises :class:`~tierstore.errors.UnwritablePathError` naming the path otherwise."""
     root = root.expanduser().absolute()
+    blocking = next((path for path in (root, *root.parents) if path.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise UnwritablePathError(
+            errno.ENOTDIR,
+            f"{scheme}: cannot use {root} as a directory: {blocking} is a file, not a directory",
+        )
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         # A unique name: backends opened at once on one root must not remove each other's probe.
@@ -230,6 +237,17 @@ class Backend(ABC):
         """Names of all objects, sorted."""
         self._check_open()
         return sorted(self._list())
+
+    # -- space held for reuse ---------------------------------------------------------------------
+    def spare_bytes(self) -> int:
+        """Space the backend holds beyond its objects for reuse (nvme's recycled files), which a
+        tier with a capacity counts in it; none by default."""
+        return 0
+
+    def release_spares(self, nbytes: int | None = None) -> int:
+        """Give back at least ``nbytes`` of :meth:`spare_bytes` if it holds them (None: all of it);
+        returns the bytes freed."""
+        return 0
 
     # -- sharing a medium -------------------------------------------------------------------------
     def location(self) -> Location | None:

@@ -15,7 +15,10 @@ to written, on every write, and free the old blocks with an unlink; overwriting 
 written skips all three (an unlink of 100 MB took up to 1.4 s here, stalling the writes beside it
 on ext4's journal). When all ``recycle`` places are taken, the oldest spare is unlinked to make
 room: sizes an application stopped writing (DeepSpeed's master weights written alone at start,
-before the moments exist) must not hold every place forever. Spares live in
+before the moments exist) must not hold every place forever. Spares never cost a write its space:
+a write that finds the file system full (ENOSPC) gives every spare back and tries again, and a tier
+with a ``capacity`` counts them in it, giving back as many as its objects need
+(:meth:`~NvmeBackend.spare_bytes`, :meth:`~NvmeBackend.release_spares`). Spares live in
 ``<path>/.spares-<id>/``, private to this backend instance (another store on the same directory
 has its own), and are removed at ``close()``; after a crash, by the next backend opened on the
 directory (:mod:`tierstore.backends.private`), which also removes the ``.spare-N`` files that
@@ -32,13 +35,15 @@ whose address is not 4 KiB-aligned are bounced through per-worker aligned buffer
 
 Where the file system refuses O_DIRECT (EINVAL at open, e.g. some network or overlay file
 systems), ``direct=None`` (the default) falls back to buffered I/O with a warning and
-``direct=True`` raises.
+``direct=True`` raises. On a full file system the probe's one-block write fails with ENOSPC; the
+file system took the O_DIRECT open, so O_DIRECT is used, and the backend opens to serve reads.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import re
 import tempfile
@@ -62,6 +67,7 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 LEGACY_SPARE = re.compile(r"\.spare-[0-9]+")
 """Spares as earlier versions named them, in the directory itself; harmless to remove even while
 such a version runs (it writes a fresh file when its spare has vanished)."""
+_log = logging.getLogger("tierstore")
 
 
 class NvmeOptions(DirectoryOptions):
@@ -145,6 +151,9 @@ class NvmeBackend(DirectoryBackend):
                 finally:
                     os.close(fd)
             except OSError as error:
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):  # full: the open took O_DIRECT
+                    _log.warning("nvme: %s is full: writes fail until space is freed", self.root)
+                    return True
                 if error.errno != errno.EINVAL or not O_DIRECT:
                     raise
                 if wanted:
@@ -221,7 +230,12 @@ class NvmeBackend(DirectoryBackend):
         (measured here: +15% on 1 GiB). Only used with O_DIRECT, i.e. on local file systems.
         """
         try:
-            os.posix_fallocate(fd, start, round_up(end) - start)
+            try:
+                os.posix_fallocate(fd, start, round_up(end) - start)
+            except OSError as error:  # full: the spares' space goes before the write does
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.release_spares():
+                    raise
+                os.posix_fallocate(fd, start, round_up(end) - start)
         except OSError as error:
             os.close(fd)
             raise _io_error(error, f"allocating {end - start} bytes for {path}") from error
@@ -305,6 +319,25 @@ class NvmeBackend(DirectoryBackend):
         finally:
             with self._bounce_lock:
                 self._bounce.append(buffer)
+
+    # -- recycled files -----------------------------------------------------------------------------
+    def spare_bytes(self) -> int:
+        """Disk space the deleted files kept for recycling hold."""
+        with self._spare_lock:
+            return sum(self._spares.values())
+
+    def release_spares(self, nbytes: int | None = None) -> int:
+        """Unlink spares, oldest first, until ``nbytes`` are freed (None: all of them); returns the
+        bytes freed."""
+        freed, doomed = 0, []
+        with self._spare_lock:
+            while self._spares and (nbytes is None or freed < nbytes):
+                spare = next(iter(self._spares))
+                freed += self._spares.pop(spare)
+                doomed.append(spare)
+        for spare in doomed:  # outside the lock: an unlink of a large file can take a while
+            spare.unlink(missing_ok=True)
+        return freed
 
     # -- metadata ---------------------------------------------------------------------------------
     def _delete(self, name: str) -> None:

@@ -51,6 +51,12 @@ class WrapperBackend(Backend):
     def _list(self) -> builtins.list[str]:
         return self.inner.list()
 
+    def spare_bytes(self) -> int:
+        return self.inner.spare_bytes()
+
+    def release_spares(self, nbytes: int | None = None) -> int:
+        return self.inner.release_spares(nbytes)
+
     def location(self) -> Location | None:
         return self.inner.location()
 

@@ -2,7 +2,8 @@
 
 The model keeps its low-precision (bf16/fp16) parameters and gradients in memory. Each sub-group's
 fp32 master weights and both Adam moments live in the store as one object (``3 x numel`` fp32:
-master | exp_avg | exp_avg_sq), and sub-groups cut parameters as ZeRO-3 does. The step's schedule
+master | exp_avg | exp_avg_sq, and ``4 x numel`` with the running maximum of exp_avg_sq for a group
+with ``amsgrad``), and sub-groups cut parameters as ZeRO-3 does. The step's schedule
 (overflow and clipping, alternating order, read-ahead, write-back, kept sub-groups, delayed gradient
 conversion) is :class:`~tierstore.optimizer.engine.StagedOptimizer`'s; this module supplies the
 layout and one fused AdamW kernel per sub-group (each piece with its parameter's step count, so
@@ -22,7 +23,8 @@ from .engine import StagedOptimizer, is_real
 from .partition import Piece, SubGroup
 from .staging import CachePolicy
 
-STATE_PARTS = 3  # master weights, exp_avg, exp_avg_sq
+STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+"""A sub-group's state, in object order (as named in a state dict); the last for ``amsgrad`` only."""
 
 
 class OffloadedAdamW(StagedOptimizer):
@@ -32,7 +34,13 @@ class OffloadedAdamW(StagedOptimizer):
     ``prefetch_depth`` read-ahead buffers, the fp32 gradient buffer, and the sub-groups kept
     cached between steps (``cache_policy``: ``"model"`` asks :func:`tierstore.model.plan_pass`,
     ``"static"`` keeps the last K that fit as MLP-Offload does, ``"none"`` keeps nothing).
+    ``maximize`` and ``amsgrad`` are torch's, as constructor arguments or group keys; ``amsgrad``
+    adds a fourth of state (its bytes counted against ``dram_budget`` and moved every step) and,
+    laying the group's state out, cannot change after the group is added. ``namespace`` prefixes
+    the state's store keys and is claimed on the store (see :class:`StagedOptimizer`).
     """
+
+    LAYOUT_KEYS = ("amsgrad",)
 
     def __init__(
         self,
@@ -43,6 +51,8 @@ class OffloadedAdamW(StagedOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        maximize: bool = False,
         sub_group_size: int = 100_000_000,
         max_grad_norm: float | None = None,
         dram_budget: int | None = None,
@@ -51,7 +61,15 @@ class OffloadedAdamW(StagedOptimizer):
         namespace: str = "adamw",
         compute_threads: int | None = None,
     ) -> None:
-        hyperparameters = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        hyperparameters = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+        }
+        _check_flags(hyperparameters, "", ("amsgrad", "maximize"))
         _check_hyperparameters(hyperparameters, "")
         super().__init__(
             params,
@@ -66,18 +84,16 @@ class OffloadedAdamW(StagedOptimizer):
             compute_threads=compute_threads,
             whole_params=False,
         )
-        self._write_all(None)
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim`` format, plus each parameter's fp32 ``master_param``. Sub-groups cached in
-        DRAM are written to the store first, so the store holds the same state as the dict."""
+        """``torch.optim`` format (``max_exp_avg_sq`` for ``amsgrad`` groups), plus each parameter's
+        fp32 ``master_param``. Sub-groups cached in DRAM are written to the store first, so the store
+        holds the same state as the dict."""
+        self._check_open()
         self.stager.flush()
-        masters, exp_avgs, exp_avg_sqs = self._gather()
         state = {
-            i: {"step": torch.tensor(float(steps)), "exp_avg": m, "exp_avg_sq": v, "master_param": w}
-            for i, (steps, w, m, v) in enumerate(
-                zip(self.param_steps, masters, exp_avgs, exp_avg_sqs, strict=True)
-            )
+            i: {"step": torch.tensor(float(steps)), **parts}
+            for i, (steps, parts) in enumerate(zip(self.param_steps, self._gather(), strict=True))
         }
         return {
             "state": state,
@@ -90,6 +106,7 @@ class OffloadedAdamW(StagedOptimizer):
         """Restore a :meth:`state_dict` (same parameter shapes); the store is rewritten. Each
         parameter's ``step`` is its own count (a parameter without an entry has taken none, as in
         torch); dicts saved before per-parameter counts hold the global count in every entry."""
+        self._check_open()
         state = state_dict["state"]
         self._restore_groups(state_dict["param_groups"])
         entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
@@ -97,7 +114,7 @@ class OffloadedAdamW(StagedOptimizer):
         self.step_count = int(state_dict.get("step_count", max(param_steps, default=0)))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         for i, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
-            for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            for name in STATE_PARTS:
                 if entry is not None and name in entry and entry[name].shape != param.shape:
                     raise BufferMismatchError(
                         f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "
@@ -109,13 +126,23 @@ class OffloadedAdamW(StagedOptimizer):
 
     # -- the layout and the kernel ---------------------------------------------------------------------
     def _check_group(self, group: dict[str, Any], where: str) -> None:
+        _check_flags(group, where, ("amsgrad", "maximize"))
         _check_hyperparameters(group, where)
 
     def state_numel(self, sg: SubGroup) -> int:
-        return STATE_PARTS * sg.numel
+        return len(self._parts(sg)) * sg.numel
+
+    def _parts(self, sg: SubGroup) -> tuple[str, ...]:
+        """The parts of the sub-group's state object, in order (:data:`STATE_PARTS`)."""
+        return STATE_PARTS if self._layouts[sg.group]["amsgrad"] else STATE_PARTS[:-1]
+
+    def _rows(self, sg: SubGroup, state: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The sub-group's state object as one view per part."""
+        parts = self._parts(sg)
+        return dict(zip(parts, state.view(len(parts), sg.numel), strict=True))
 
     def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
-        master = state.view(STATE_PARTS, sg.numel)[0]
+        master = self._rows(sg, state)["master_param"]
         return [(piece, master[piece.offset : piece.offset + piece.length]) for piece in sg.pieces]
 
     def _update(self, sg: SubGroup, state: torch.Tensor, coefficient: float) -> None:
@@ -125,65 +152,70 @@ class OffloadedAdamW(StagedOptimizer):
 
     def _adamw(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
         group = self.param_groups[sg.group]
-        master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
-        params, ms, vs, steps = [], [], [], []
+        rows = self._rows(sg, state)
+        windows: dict[str, list[torch.Tensor]] = {part: [] for part in rows}
+        steps = []
         for piece, _ in grads:
-            window = slice(piece.offset, piece.offset + piece.length)
-            params.append(master[window])
-            ms.append(exp_avg[window])
-            vs.append(exp_avg_sq[window])
+            for part, row in rows.items():
+                windows[part].append(row[piece.offset : piece.offset + piece.length])
             steps.append(torch.tensor(float(self.param_steps[piece.param])))  # its own bias correction
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(  # torch.optim.AdamW(fused=True)'s arithmetic; a step count per tensor
-            params,
+            windows["master_param"],
             [grad for _, grad in grads],
-            ms,
-            vs,
-            [],
+            windows["exp_avg"],
+            windows["exp_avg_sq"],
+            windows.get("max_exp_avg_sq", []),
             steps,
-            amsgrad=False,
+            amsgrad=group["amsgrad"],
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,
             weight_decay=group["weight_decay"],
             eps=group["eps"],
-            maximize=False,
+            maximize=group["maximize"],
             grad_scale=None,
             found_inf=None,
         )
-        for (piece, _), weights in zip(grads, params, strict=True):
+        for (piece, _), weights in zip(grads, windows["master_param"], strict=True):
             self._copy_to_model(piece, weights)
 
     # -- state plumbing -----------------------------------------------------------------------------
     def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
         """Lay out a sub-group's state from per-parameter tensors (or fresh: master = parameter)."""
-        master, exp_avg, exp_avg_sq = state.view(STATE_PARTS, sg.numel)
-        for piece in sg.pieces:
-            window = slice(piece.offset, piece.offset + piece.length)
-            source = slice(piece.param_offset, piece.param_offset + piece.length)
-            entry = None if saved is None else saved.get(piece.param, saved.get(str(piece.param)))
-            weights = (
-                self.params[piece.param]
-                if entry is None or "master_param" not in entry
-                else entry["master_param"]
-            )
-            master[window].copy_(weights.detach().reshape(-1)[source])
-            for part, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
-                if entry is not None and name in entry:
-                    part[window].copy_(entry[name].reshape(-1)[source])
-                else:
-                    part[window].zero_()
-
-    def _gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        parts = [[torch.empty(p.shape, dtype=torch.float32) for p in self.params] for _ in range(STATE_PARTS)]
-        for sg in self.subgroups:
-            rows = self.stager.read(sg.index).view(STATE_PARTS, sg.numel)
+        for part, row in self._rows(sg, state).items():
             for piece in sg.pieces:
-                for part, row in zip(parts, rows, strict=True):
-                    part[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
+                window = row[piece.offset : piece.offset + piece.length]
+                source = slice(piece.param_offset, piece.param_offset + piece.length)
+                entry = None if saved is None else saved.get(piece.param, saved.get(str(piece.param)))
+                if entry is not None and part in entry:
+                    window.copy_(entry[part].detach().reshape(-1)[source])
+                elif part == "master_param":
+                    window.copy_(self.params[piece.param].detach().reshape(-1)[source])
+                else:
+                    window.zero_()
+
+    def _gather(self) -> list[dict[str, torch.Tensor]]:
+        """Per parameter, its state parts as whole fp32 tensors of its shape."""
+        gathered: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
+        for sg in self.subgroups:
+            for part, row in self._rows(sg, self.stager.read(sg.index)).items():
+                for piece in sg.pieces:
+                    whole = gathered[piece.param].get(part)
+                    if whole is None:
+                        shape = self.params[piece.param].shape
+                        whole = gathered[piece.param][part] = torch.empty(shape, dtype=torch.float32)
+                    whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
                         row[piece.offset : piece.offset + piece.length]
                     )
-        return parts[0], parts[1], parts[2]
+        return gathered
+
+
+def _check_flags(group: dict[str, Any], where: str, names: tuple[str, ...]) -> None:
+    """Boolean hyper-parameters (``amsgrad``, ``maximize``): a :class:`ConfigError` naming the key."""
+    for name in names:
+        if not isinstance(group.get(name), bool):
+            raise ConfigError(f"{where}{name}: must be True or False, got {group.get(name)!r}")
 
 
 def _check_hyperparameters(group: dict[str, Any], where: str) -> None:

@@ -83,8 +83,14 @@ class OffloadedAPOLLO(StagedOptimizer):
     ``proj_type`` (``"std"``, ``"reverse_std"``, ``"left"``, ``"right"``), and ``correct_bias``;
     ``scale_front`` and ``disable_nl`` are its constructor flags. APOLLO-Mini is ``rank=1,
     scale_type="tensor"`` (the paper uses ``scale=128``). ``max_grad_norm``, ``grad_scale`` and
-    overflow skipping are the engine's, as for AdamW.
+    overflow skipping are the engine's, as for AdamW. ``maximize`` and ``amsgrad``, which
+    ``apollo_torch`` does not have, are refused as group keys (a :class:`ConfigError` naming the
+    key); ``rank`` and ``proj_type`` lay a group's state out, so they cannot change after the group
+    is added. ``namespace`` prefixes the state's store keys and is claimed on the store (see
+    :class:`StagedOptimizer`).
     """
+
+    LAYOUT_KEYS = ("rank", "proj_type")
 
     def __init__(
         self,
@@ -119,7 +125,7 @@ class OffloadedAPOLLO(StagedOptimizer):
                 raise ConfigError(f"{name}: must be True or False, got {flag!r}")
         self.scale_front = scale_front
         self.disable_nl = disable_nl
-        self._slots: dict[int, list[_Slot]] = {}
+        self._slots: dict[SubGroup, list[_Slot]] = {}
         super().__init__(
             params,
             store,
@@ -136,13 +142,13 @@ class OffloadedAPOLLO(StagedOptimizer):
         self.seeds = [number + 1 for number in range(len(self.params))]
         """Per parameter, the seed of its current projection (``apollo_torch`` numbers parameters
         from 1 across groups and advances a seed at each refresh)."""
-        self._write_all(None)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim`` format: per parameter ``step``, ``exp_avg`` and ``exp_avg_sq`` (low-rank
         for APOLLO matrices), ``master_param``, and for APOLLO matrices the projection ``seed`` and,
         once set, ``scaled_grad`` (the limiter's last norm). Kept sub-groups are flushed first."""
+        self._check_open()
         self.stager.flush()
         state: dict[int, dict[str, Any]] = {}
         for sg in self.subgroups:
@@ -171,7 +177,7 @@ class OffloadedAPOLLO(StagedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (same parameters, same ranks and projection types); the store
         is rewritten."""
-        self._check_same_layout(state_dict["param_groups"], "the state dict")
+        self._check_open()
         self._restore_groups(state_dict["param_groups"])
         state = state_dict["state"]
         entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
@@ -206,15 +212,8 @@ class OffloadedAPOLLO(StagedOptimizer):
             raise BufferMismatchError(f"{path}: its ranks or projection types differ from this optimizer's")
         self.seeds = [int(seed) for seed in metadata["seeds"]]
 
-    def _check_same_layout(self, groups: list[dict[str, Any]], source: str) -> None:
-        """Ranks and projection types fix the state's layout: a restore may not change them."""
-        for number, (saved, mine) in enumerate(zip(groups, self.param_groups, strict=False)):
-            for key in ("rank", "proj_type"):
-                if saved.get(key) != mine.get(key):
-                    raise BufferMismatchError(
-                        f"{source}: param_groups.{number}.{key} is {saved.get(key)!r}, this optimizer's "
-                        f"{mine.get(key)!r} (the state's layout depends on it)"
-                    )
+    def _params_added(self, count: int) -> None:
+        self.seeds.extend(range(len(self.seeds) + 1, len(self.seeds) + 1 + count))
 
     # -- the layout and the kernel ---------------------------------------------------------------------
     def _check_group(self, group: dict[str, Any], where: str) -> None:
@@ -224,7 +223,7 @@ class OffloadedAPOLLO(StagedOptimizer):
         return sum(slot.numel for slot in self._layout(sg))
 
     def _layout(self, sg: SubGroup) -> list[_Slot]:
-        if sg.index not in self._slots:
+        if sg not in self._slots:
             group = self.param_groups[sg.group]
             slots, offset = [], 0
             for piece in sg.pieces:
@@ -243,8 +242,8 @@ class OffloadedAPOLLO(StagedOptimizer):
                         )
                 slots.append(_Slot(piece, offset, shape, moment, side))
                 offset += slots[-1].numel
-            self._slots[sg.index] = slots
-        return self._slots[sg.index]
+            self._slots[sg] = slots
+        return self._slots[sg]
 
     def _views(
         self, slot: _Slot, state: torch.Tensor
@@ -375,7 +374,14 @@ def _side(shape: torch.Size, proj_type: str) -> Literal["left", "right"]:
 
 def _check_group(group: dict[str, Any], where: str) -> None:
     """AdamW's hyper-parameters, ``correct_bias``, and for a group with ``rank`` the projection's
-    keys (missing ones take :data:`PROJECTION_DEFAULTS`): a :class:`ConfigError` naming the field."""
+    keys (missing ones take :data:`PROJECTION_DEFAULTS`): a :class:`ConfigError` naming the field.
+    torch's ``maximize`` and ``amsgrad``, which APOLLO does not have, are refused rather than
+    ignored."""
+    for key in ("maximize", "amsgrad"):
+        if group.get(key, False) is not False:
+            raise ConfigError(
+                f"{where}{key}: not supported by APOLLO (apollo_torch has no {key}), got {group[key]!r}"
+            )
     _check_hyperparameters(group, where)
     group.setdefault("correct_bias", True)
     if not isinstance(group["correct_bias"], bool):

@@ -21,6 +21,7 @@ for every optimizer:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -28,13 +29,13 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..buffers import aligned_tensor
-from ..errors import BufferMismatchError, ConfigError
-from ..snapshot import export_hdf5, import_hdf5
+from ..errors import BufferMismatchError, ConfigError, StoreClosedError, TierStoreError
+from ..snapshot import export_hdf5, open_snapshot
 from ..store import TierStore
 from .partition import Piece, SubGroup, partition, partition_whole
 from .staging import FP32, CachePolicy, SubGroupStager, _is_integer
@@ -52,7 +53,21 @@ class StagedOptimizer(torch.optim.Optimizer):
     fewer than torch's setting (at least one), so that a core stays free for the store's I/O
     threads: on a 2-core VM a second kernel thread slowed the concurrent state I/O by more than it
     sped up the kernels (an alternating A/B of the update phase, see the README's benchmarks).
+
+    The state lives in the store under ``namespace``, which the optimizer claims on the store for
+    its lifetime (:class:`~tierstore.optimizer.staging.SubGroupStager`): a second optimizer, or any
+    workload, on the same store and namespace is refused with
+    :class:`~tierstore.errors.NamespaceInUseError`. The namespace is the optimizer's own choice,
+    never generated, because persistent state (snapshots, a persistent store) is found again by
+    it. :meth:`close` (or garbage collection) gives the namespace back.
+
+    Parameter groups may be added after construction (:meth:`add_param_group`, as in torch). A
+    group's :attr:`LAYOUT_KEYS` fix the layout of its state in the store, so they cannot change
+    once the group is added.
     """
+
+    LAYOUT_KEYS: ClassVar[tuple[str, ...]] = ()
+    """Group keys the layout of a group's state depends on."""
 
     def __init__(
         self,
@@ -75,21 +90,17 @@ class StagedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"max_grad_norm: must be None or a positive number, got {max_grad_norm!r}")
         if compute_threads is not None and (not _is_integer(compute_threads) or compute_threads < 1):
             raise ConfigError(f"compute_threads: must be None or an integer >= 1, got {compute_threads!r}")
-        super().__init__(params, defaults)
+        self._layouts: list[dict[str, Any]] = []
+        """Per group, its :attr:`LAYOUT_KEYS` as they were when it was added."""
+        super().__init__(params, defaults)  # add_param_group per group
         self.compute_threads = compute_threads
-        for number, group in enumerate(self.param_groups):
-            self._check_group(group, f"param_groups.{number}.")
         self.store = store
         self.max_grad_norm = max_grad_norm
+        self.sub_group_size = sub_group_size
+        self.whole_params = whole_params
         self.params = [p for group in self.param_groups for p in group["params"]]
-        for param in self.params:
-            if not param.is_contiguous() or param.device.type != "cpu":
-                raise BufferMismatchError(f"{type(self).__name__} needs contiguous CPU parameters")
-        index = {id(p): i for i, p in enumerate(self.params)}
-        sizes = [[(index[id(p)], p.numel()) for p in group["params"]] for group in self.param_groups]
-        self.subgroups = (partition_whole if whole_params else partition)(sizes, sub_group_size)
-        largest = max((sg.numel for sg in self.subgroups), default=1)
-        gradient_numel = largest if whole_params else min(largest, GRADIENT_CHUNK)
+        self.subgroups: list[SubGroup] = []
+        self.subgroups = self._partition(0)
         self.stager = SubGroupStager(
             store,
             namespace,
@@ -97,7 +108,8 @@ class StagedOptimizer(torch.optim.Optimizer):
             dram_budget=dram_budget,
             prefetch_depth=prefetch_depth,
             cache_policy=cache_policy,
-            reserved_bytes=FP32 * gradient_numel,  # the fp32 gradient buffer
+            reserved_bytes=FP32 * self._gradient_numel(self.subgroups),
+            owner=type(self).__name__,
         )
         self.step_count = 0
         """Steps taken (overflow-skipped ones excluded); the sub-group order alternates with it."""
@@ -108,9 +120,14 @@ class StagedOptimizer(torch.optim.Optimizer):
         """Wall seconds the last step spent in its own work (norm, conversion, kernels, copies into
         the model) rather than waiting on the store: the compute term of the I/O model's
         :func:`~tierstore.model.plan_pass`."""
-        self._grad = aligned_tensor(gradient_numel)
+        self._grad = aligned_tensor(self._gradient_numel(self.subgroups))
         """The fp32 gradient buffer: a whole sub-group's for ``whole_params`` optimizers (their
         kernels need whole parameters), else :data:`GRADIENT_CHUNK` elements."""
+        try:
+            self._write_all(None)
+        except BaseException:
+            self.stager.abandon()
+            raise
 
     # -- what an optimizer supplies ---------------------------------------------------------------
     @abstractmethod
@@ -137,16 +154,72 @@ class StagedOptimizer(torch.optim.Optimizer):
         """The master weights of each piece, as views into ``state``."""
 
     # -- public -----------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, as ``torch.optim.Optimizer.add_param_group``: keys it leaves out
+        take the constructor's values. Its parameters must be contiguous CPU tensors, each listed
+        once (torch warns about a duplicate and updates it twice; here it is a
+        :class:`ConfigError`), and its hyper-parameters valid (a :class:`ConfigError` naming the
+        key). Once the optimizer is constructed, the group's parameters form new sub-groups whose
+        fresh state (master weights = the parameters) is written to the store, the staging buffers
+        growing if the new sub-groups are larger (a :class:`CapacityError` if a given
+        ``dram_budget`` cannot hold them)."""
+        staged = hasattr(self, "stager")  # False while torch's constructor adds the first groups
+        if staged:
+            self._check_open()
+        number = len(self.param_groups)
+        params = param_group["params"]
+        if not isinstance(params, set):  # torch refuses a set (no order); read anything else once
+            param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
+            seen: set[int] = set()
+            for param in params:
+                if id(param) in seen:
+                    raise ConfigError(
+                        f"param_groups.{number}.params: a parameter of shape {tuple(param.shape)} is "
+                        "listed twice (torch would update it twice); list each parameter once"
+                    )
+                seen.add(id(param))
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            for param in group["params"]:
+                if not param.is_contiguous() or param.device.type != "cpu":
+                    raise BufferMismatchError(f"{type(self).__name__} needs contiguous CPU parameters")
+            self._check_group(group, f"param_groups.{number}.")
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        self._layouts.append({key: group.get(key) for key in self.LAYOUT_KEYS})
+        if staged:
+            self._add_subgroups(number)
+
+    def close(self) -> None:
+        """Write the sub-groups kept in DRAM back (the store then holds the whole state) and give
+        back the namespace and the DRAM budget; the optimizer is unusable afterwards
+        (:class:`StoreClosedError`). Idempotent."""
+        self.stager.close()
+
     @torch.no_grad()
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
         """One step; gradients are divided by ``grad_scale`` (loss scaling). A step whose gradients
-        overflow is skipped (``skipped_steps`` counts them) and changes nothing."""
+        overflow is skipped (``skipped_steps`` counts them) and changes nothing. A sparse gradient
+        (``nn.Embedding(sparse=True)``) is a :class:`BufferMismatchError` naming the parameter, and
+        a group whose :attr:`LAYOUT_KEYS` changed since it was added a :class:`ConfigError`; either
+        before anything is updated."""
+        self._check_open()
         if not grad_scale > 0.0:
             raise ConfigError(f"grad_scale must be a positive number, got {grad_scale}")
+        self._check_layouts(self.param_groups, "param_groups", ConfigError)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for number, param in enumerate(self.params):
+            if param.grad is not None and param.grad.layout != torch.strided:
+                raise BufferMismatchError(
+                    f"{type(self).__name__}.step: parameter {number} (shape {tuple(param.shape)}) has a "
+                    f"{param.grad.layout} gradient; only dense gradients are supported (e.g. "
+                    "nn.Embedding(sparse=False)); nothing was updated"
+                )
         order = [sg.index for sg in self.subgroups]
         if (self.step_count + 1) % 2 == 0:
             order.reverse()
@@ -178,6 +251,7 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 master weights, one tensor per parameter (read from DRAM or the store)."""
+        self._check_open()
         masters = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
         for sg in self.subgroups:
             for piece, values in self._master_views(sg, self.stager.read(sg.index)):
@@ -189,6 +263,7 @@ class StagedOptimizer(torch.optim.Optimizer):
     def save_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Checkpoint the fp32 state (sub-groups kept in DRAM included) and step counts into one
         portable HDF5 file (:func:`tierstore.export_hdf5`), without gathering it in memory."""
+        self._check_open()
         self.stager.flush()
         metadata = {
             "step_count": self.step_count,
@@ -203,19 +278,33 @@ class StagedOptimizer(torch.optim.Optimizer):
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Restore a :meth:`save_snapshot` (same parameters and ``sub_group_size``, same namespace).
         A snapshot from before per-parameter step counts gives every parameter the global count."""
-        self.stager.drop_resident()
-        metadata = import_hdf5(path, self.store)
-        if metadata.get("subgroups") != [sg.numel for sg in self.subgroups]:
-            raise BufferMismatchError(f"{path}: its sub-groups differ from this optimizer's")
+        self._check_open()
+        with open_snapshot(path) as snapshot:
+            metadata = snapshot.metadata
+            if metadata.get("subgroups") != [sg.numel for sg in self.subgroups]:
+                raise BufferMismatchError(f"{path}: its sub-groups differ from this optimizer's")
+            self._check_layouts(metadata["param_groups"], f"{path}: param_groups", BufferMismatchError)
+            step_count = int(metadata["step_count"])
+            param_steps = [int(n) for n in metadata.get("param_steps", [step_count] * len(self.params))]
+            if len(param_steps) != len(self.params):
+                raise BufferMismatchError(
+                    f"{path}: it counts steps for {len(param_steps)} parameters, this optimizer has "
+                    f"{len(self.params)}"
+                )
+            mine = {self.stager.key(sg.index) for sg in self.subgroups}
+            foreign = sorted(set(snapshot.keys()) - mine)
+            if foreign:  # keys another workload on the store may own
+                raise BufferMismatchError(
+                    f"{path}: holds {foreign[0]!r}, not a key of this optimizer's namespace "
+                    f"{self.stager.namespace!r}: load a snapshot into an optimizer of the namespace that "
+                    "saved it"
+                )
+            self.stager.drop_resident()
+            for key, tensor in snapshot.items():
+                self.store.put(key, tensor).result()
         for group, saved in zip(self.param_groups, metadata["param_groups"], strict=True):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-        self.step_count = int(metadata["step_count"])
-        param_steps = [int(n) for n in metadata.get("param_steps", [self.step_count] * len(self.params))]
-        if len(param_steps) != len(self.params):
-            raise BufferMismatchError(
-                f"{path}: it counts steps for {len(param_steps)} parameters, this optimizer has "
-                f"{len(self.params)}"
-            )
+        self.step_count = step_count
         self.param_steps = param_steps
         self.skipped_steps = int(metadata["skipped_steps"])
         self._restore_snapshot_metadata(path, metadata)
@@ -224,6 +313,64 @@ class StagedOptimizer(torch.optim.Optimizer):
                 self._copy_to_model(piece, values)
 
     # -- for the optimizers -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.stager.closed:
+            raise StoreClosedError(f"this {type(self).__name__} is closed")
+
+    def _check_layouts(self, groups: list[dict[str, Any]], source: str, error: type[TierStoreError]) -> None:
+        """Refuse groups whose :attr:`LAYOUT_KEYS` differ from this optimizer's (``error`` naming
+        the first such key): the state in the store is laid out by them."""
+        for number, (group, layout) in enumerate(zip(groups, self._layouts, strict=False)):
+            for key, value in layout.items():
+                if group.get(key) != value:
+                    raise error(
+                        f"{source}.{number}.{key} is {group.get(key)!r}, but this optimizer's state is "
+                        f"laid out for {value!r} (the layout depends on it: construct an optimizer "
+                        "with the new value instead)"
+                    )
+
+    def _partition(self, first_group: int) -> list[SubGroup]:
+        """The sub-groups of the groups from ``first_group`` on, numbered after the existing ones."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        sizes = [
+            [(index[id(p)], p.numel()) for p in group["params"]] if number >= first_group else []
+            for number, group in enumerate(self.param_groups)
+        ]
+        cut = (partition_whole if self.whole_params else partition)(sizes, self.sub_group_size)
+        start = len(self.subgroups)
+        return [dataclasses.replace(sg, index=start + i) for i, sg in enumerate(cut)]
+
+    def _gradient_numel(self, subgroups: list[SubGroup]) -> int:
+        """Elements of the fp32 gradient buffer ``subgroups`` need."""
+        largest = max((sg.numel for sg in subgroups), default=1)
+        return largest if self.whole_params else min(largest, GRADIENT_CHUNK)
+
+    def _add_subgroups(self, group: int) -> None:
+        """Stage the parameters of a group added after construction: new sub-groups, their fresh
+        state written to the store before they join the step (if that fails, the group is gone)."""
+        first = len(self.params)
+        self.params.extend(self.param_groups[group]["params"])
+        added = self._partition(group)
+        try:
+            self.stager.grow(
+                max((self.state_numel(sg) for sg in added), default=1),
+                FP32 * self._gradient_numel(added),
+            )
+            self._write_all(None, added)
+        except BaseException:
+            del self.params[first:]
+            self.param_groups.pop()
+            self._layouts.pop()
+            raise
+        if self._grad.numel() < self._gradient_numel(added):
+            self._grad = aligned_tensor(self._gradient_numel(added))
+        self.param_steps.extend([0] * (len(self.params) - first))
+        self.subgroups.extend(added)
+        self._params_added(len(self.params) - first)
+
+    def _params_added(self, count: int) -> None:
+        """``count`` parameters were appended to :attr:`params` (a group added after construction)."""
+
     def _snapshot_metadata(self) -> dict[str, Any]:
         """Optimizer-specific metadata a snapshot carries (JSON-serialisable)."""
         return {}
@@ -316,9 +463,10 @@ class StagedOptimizer(torch.optim.Optimizer):
             squares += float(torch.dot(part, part))
         return squares
 
-    def _write_all(self, saved: dict[Any, Any] | None) -> None:
-        """Write every sub-group's state (from ``saved``, or fresh) to the store."""
-        for sg in self.subgroups:
+    def _write_all(self, saved: dict[Any, Any] | None, subgroups: list[SubGroup] | None = None) -> None:
+        """Write the state of ``subgroups`` (default: every sub-group), from ``saved`` or fresh, to
+        the store."""
+        for sg in self.subgroups if subgroups is None else subgroups:
             self.stager.write(sg.index, self.state_numel(sg), functools.partial(self._fill, sg, saved=saved))
         self.stager.wait_writes()
 
@@ -332,6 +480,7 @@ class StagedOptimizer(torch.optim.Optimizer):
             len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups, strict=True)
         ):
             raise BufferMismatchError("the state dict's parameter groups do not match this optimizer's")
+        self._check_layouts(groups, "the state dict's param_groups", BufferMismatchError)
         for group, saved in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -29,7 +29,8 @@ from typing import Literal
 import torch
 
 from ..buffers import AlignedBuffer, BufferPool, aligned_tensor, round_up
-from ..errors import CapacityError, ConfigError
+from ..errors import CapacityError, ConfigError, InvalidKeyError
+from ..memory import MemoryLedger, Reservation
 from ..model import PathSpeed, plan_pass
 from ..store import TierStore
 
@@ -43,6 +44,12 @@ class SubGroupStager:
     A pass is ``begin_pass(order)``, then ``acquire``/``release`` per sub-group in that order, then
     ``end_pass()``. ``acquire`` and ``release`` also work outside a pass (one blocking read, one
     write-back), which is what initialisation and checkpoint restore need.
+
+    The sub-groups are the store objects ``"<namespace>/<name>"``: the stager claims ``namespace``
+    on the store for ``owner`` (:attr:`TierStore.namespaces`), so a second stager, optimizer or
+    other workload writing the same keys is refused with
+    :class:`~tierstore.errors.NamespaceInUseError` instead of overwriting them. The claim and the
+    DRAM reservation last until :meth:`close` (or :meth:`abandon`, or garbage collection).
     """
 
     def __init__(
@@ -55,16 +62,19 @@ class SubGroupStager:
         prefetch_depth: int = 2,
         cache_policy: CachePolicy = "model",
         reserved_bytes: int = 0,
+        owner: str = "SubGroupStager",
     ) -> None:
-        _check_settings(namespace, dram_budget, prefetch_depth, cache_policy)
+        _check_settings(dram_budget, prefetch_depth, cache_policy)
         self.store = store
-        self.namespace = namespace
         self.prefetch_depth = prefetch_depth
         self.cache_policy = cache_policy
         self.slot_bytes = FP32 * max(slot_elements, 1)
         self.working_bytes = prefetch_depth * self.slot_bytes + reserved_bytes
         """DRAM a pass needs whatever it keeps: the ring and the caller's own (gradient) buffer."""
+        self.reserved_bytes = reserved_bytes
         working = self.working_bytes
+        self._budget_follows = dram_budget is None
+        """No budget given: it is the working set, and follows it when :meth:`grow` enlarges it."""
         self.dram_budget = working if dram_budget is None else dram_budget
         if self.dram_budget < working:
             raise CapacityError(
@@ -72,8 +82,19 @@ class SubGroupStager:
                 f"({prefetch_depth} sub-group buffers of {self.slot_bytes}"
                 + (f" + {reserved_bytes} for gradients)" if reserved_bytes else ")")
             )
-        reservation = store.memory.reserve(f"optimizer {namespace}", self.dram_budget)
-        weakref.finalize(self, store.memory.release, reservation)
+        try:
+            self.claim = store.namespaces.claim(namespace, owner)
+        except InvalidKeyError as error:
+            raise ConfigError(f"namespace: {error} (it prefixes the store keys)") from None
+        self._unclaim = weakref.finalize(self, store.namespaces.release, self.claim)
+        self.namespace = self.claim.namespace
+        self._reservations: list[Reservation] = []
+        self._unreserve = weakref.finalize(self, _release_all, store.memory, self._reservations)
+        try:
+            self._reserve(self.dram_budget)
+        except CapacityError:
+            self._unclaim()
+            raise
         self.buffers = [aligned_tensor(self.slot_bytes // FP32) for _ in range(prefetch_depth)]
         """The read-ahead ring: each buffer holds the largest sub-group."""
         self.pool = BufferPool(round_up(self.dram_budget - working), pin=False)
@@ -204,7 +225,60 @@ class SubGroupStager:
             self._reclaim(block=True)
 
     def key(self, name: Hashable) -> str:
-        return f"{self.namespace}/{name}"
+        return self.claim.key(str(name))
+
+    def grow(self, slot_elements: int, reserved_bytes: int) -> None:
+        """Make the ring hold sub-groups of ``slot_elements`` fp32 values and the caller's own
+        buffer ``reserved_bytes`` (sub-groups were added), outside a pass. The kept sub-groups are
+        written back and the pool rebuilt over what the budget leaves; a ``dram_budget`` given at
+        construction that no longer holds the working set is a :class:`CapacityError`, and then
+        nothing changes."""
+        slot_bytes = max(self.slot_bytes, FP32 * slot_elements)
+        reserved_bytes = max(self.reserved_bytes, reserved_bytes)
+        working = self.prefetch_depth * slot_bytes + reserved_bytes
+        if working == self.working_bytes:
+            return
+        budget = working if self._budget_follows else self.dram_budget
+        if budget < working:
+            raise CapacityError(
+                f"dram_budget of {budget} bytes is below the working set of {working} bytes the added "
+                f"sub-groups need ({self.prefetch_depth} sub-group buffers of {slot_bytes} + "
+                f"{reserved_bytes} for gradients)"
+            )
+        if budget > self.dram_budget:
+            self._reserve(budget - self.dram_budget)
+        self.end_pass()
+        self.flush()
+        self.drop_resident()
+        self.pool.clear()
+        self.slot_bytes, self.reserved_bytes, self.working_bytes = slot_bytes, reserved_bytes, working
+        self.dram_budget = budget
+        self.buffers = [aligned_tensor(slot_bytes // FP32) for _ in range(self.prefetch_depth)]
+        self._free = list(self.buffers)
+        self.pool = BufferPool(round_up(budget - working), pin=False)
+
+    # -- the end --------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return not self._unclaim.alive
+
+    def close(self) -> None:
+        """Write the kept sub-groups back (the store then holds the whole state), wait for the
+        writes in flight, and :meth:`abandon`. Idempotent."""
+        if self.closed:
+            return
+        try:
+            self.end_pass()
+            self.flush()
+            self.drop_resident()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Give back the namespace and the DRAM reservation now, writing nothing (:meth:`close`
+        writes the kept sub-groups first)."""
+        self._unclaim()
+        self._unreserve()
 
     # -- internals ------------------------------------------------------------------------------
     def _read(self, name: Hashable, buffer: torch.Tensor) -> Future[torch.Tensor]:
@@ -286,6 +360,10 @@ class SubGroupStager:
         else:
             self.pool.release(block)
 
+    def _reserve(self, nbytes: int) -> None:
+        """Hold ``nbytes`` more of the store's DRAM ledger until :meth:`abandon`."""
+        self._reservations.append(self.store.memory.reserve(f"optimizer {self.namespace}", nbytes))
+
     def _plan_keep(self, order: list[Hashable]) -> set[Hashable]:
         """What stays in the pool at the end of the pass. Sizes are whole pages, as the pool carves
         them, so a planned set always fits the pool once the previous pass's kept set is gone."""
@@ -313,25 +391,20 @@ class SubGroupStager:
         return speeds or [PathSpeed("unmeasured", 1e9, 1e9)]
 
 
-def _check_settings(namespace: str, dram_budget: int | None, prefetch_depth: int, cache_policy: str) -> None:
-    """A :class:`ConfigError` naming the field, rather than a TypeError or a bad key at first use."""
-    if (
-        not isinstance(namespace, str)
-        or not namespace
-        or namespace.startswith("/")
-        or ".." in namespace.split("/")
-        or any(ord(c) < 32 for c in namespace)
-    ):
-        raise ConfigError(
-            "namespace: must be a non-empty string without control characters, a leading '/' or a "
-            f"'..' segment (it prefixes the store keys), got {namespace!r}"
-        )
+def _check_settings(dram_budget: int | None, prefetch_depth: int, cache_policy: str) -> None:
+    """A :class:`ConfigError` naming the field, rather than a TypeError at first use."""
     if dram_budget is not None and (not _is_integer(dram_budget) or dram_budget < 0):
         raise ConfigError(f"dram_budget: must be None or a number of bytes >= 0, got {dram_budget!r}")
     if not _is_integer(prefetch_depth) or prefetch_depth < 1:
         raise ConfigError(f"prefetch_depth: must be an integer >= 1, got {prefetch_depth!r}")
     if cache_policy not in ("model", "static", "none"):
         raise ConfigError(f"cache_policy: must be 'model', 'static' or 'none', got {cache_policy!r}")
+
+
+def _release_all(ledger: MemoryLedger, reservations: list[Reservation]) -> None:
+    for reservation in reservations:
+        ledger.release(reservation)
+    reservations.clear()
 
 
 def _is_integer(value: object) -> bool:

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
 
 import torch
 
@@ -36,7 +35,7 @@ def main() -> None:
     else:
         open_journal = manifest._open_journal
 
-        def open_then_die(path: Path, *, truncate: bool) -> TextIO:
+        def open_then_die(path: Path, *, truncate: bool) -> int:
             journal = open_journal(path, truncate=truncate)
             if truncate:
                 die()

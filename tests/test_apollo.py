@@ -13,6 +13,8 @@ from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, partition_whole
 
 from tierstore import BufferMismatchError, ConfigError, Tier, TierStore
 
+from .conftest import train_side_by_side
+
 MATRICES = [(37, 13), (13, 40), (64, 64), (5, 300)]  # tall, wide, square, one larger than a sub-group
 VECTORS = [(50,), (7,)]  # biases and norms: AdamW
 
@@ -277,6 +279,8 @@ def test_apollo_mini_moves_a_third_of_adamws_bytes(tmp_path: Path) -> None:
         ("proj_type", "full"),
         ("correct_bias", "yes"),
         ("lr", -1.0),
+        ("maximize", True),  # torch's AdamW keys that APOLLO does not have: refused, not ignored
+        ("amsgrad", True),
     ],
 )
 def test_bad_group_keys_name_the_field(tmp_path: Path, key: str, value: object) -> None:
@@ -298,3 +302,21 @@ def test_whole_parameter_partition() -> None:
     assert [sg.numel for sg in subgroups] == [7, 20, 1]
     assert all(p.param_offset == 0 for sg in subgroups for p in sg.pieces)
     assert subgroups[0].pieces[1].offset == 3
+
+
+def test_a_group_added_after_construction_trains_as_one_given_at_construction(tmp_path: Path) -> None:
+    """Its parameters are numbered (seeded) after the others, as they would be had it come last."""
+    with make_store(tmp_path, "nvme") as store:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in MATRICES + VECTORS]
+        twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        whole = OffloadedAPOLLO(groups(params, MINI), store, sub_group_size=1000, namespace="whole")
+        grown = OffloadedAPOLLO(groups(twins, MINI)[:1], store, sub_group_size=1000, namespace="grown")
+        grown.add_param_group(groups(twins, MINI)[1])
+        train_side_by_side(grown, twins, whole, params, range(6))
+        assert grown.seeds == whole.seeds
+        for got, want in zip(grown.master_params(), whole.master_params(), strict=True):
+            assert torch.equal(got, want)
+        grown.param_groups[0]["rank"] = 2  # the state holds rank-1 moments
+        with pytest.raises(ConfigError, match=r"param_groups\.0\.rank"):
+            grown.step()

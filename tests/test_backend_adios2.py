@@ -1,4 +1,5 @@
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 from adios2 import FileReader
 from tierstore.backends import Backend, open_backend
-from tierstore.backends.adios2 import Adios2Backend
+from tierstore.backends.adios2 import READER_LINK, Adios2Backend
 
 from tierstore import AlignmentError
 from tierstore.testing import BackendTests
@@ -30,11 +31,16 @@ class TestAdios2Backend(BackendTests):
         return open_backend(f"adios2://{root}?transfer_bytes=65536")
 
     def raw_get(self, backend: Backend, name: str) -> bytes:
+        """ADIOS2's own reader, through a link named as the backend's (so that it leaves no profile
+        in /tmp either), in a directory of its own beside the backend's."""
         assert isinstance(backend, Adios2Backend)
-        with FileReader(str(backend.root / f"{name}.bp")) as reader:
-            if "data" not in reader.available_variables():
-                return b""
-            return bytes(reader.read("data"))
+        with tempfile.TemporaryDirectory(dir=backend.root.parent) as directory:
+            link = Path(directory) / READER_LINK
+            link.symlink_to(backend.root / f"{name}.bp")
+            with FileReader(str(link)) as reader:
+                if "data" not in reader.available_variables():
+                    return b""
+                return bytes(reader.read("data"))
 
     def raw_set(self, backend: Backend, name: str, data: bytes) -> None:
         assert isinstance(backend, Adios2Backend)
@@ -104,3 +110,29 @@ def test_the_worker_has_a_session_of_its_own(tmp_path: Path) -> None:
         assert backend._worker is not None
         worker = backend._worker._process.pid
         assert os.getsid(worker) == worker != os.getsid(0)
+
+
+def test_nothing_is_written_outside_the_store_directory(tmp_path: Path) -> None:
+    """ADIOS2's BP5 reader drops ``/tmp/<name>_<pid>_profiling.json`` at every close; reads (and
+    the size queries of a reopened backend) must leave ``/tmp`` as it was, and the directory with
+    the objects alone."""
+    names = [f"tierstore-tmp-check-{os.getpid()}-{n}" for n in range(3)]
+
+    def traces() -> set[str]:
+        return {
+            entry
+            for entry in os.listdir("/tmp")
+            if "profiling.json" in entry or entry.startswith(names[0][:-1])
+        }
+
+    before = traces()
+    with open_backend({"type": "adios2", "path": tmp_path}) as backend:
+        for name in names:
+            backend.write(name, 0, name.encode()).result()
+    with open_backend({"type": "adios2", "path": tmp_path}) as backend:
+        for name in names:
+            out = bytearray(backend.size(name))  # a reopened backend asks the file
+            backend.read_into(name, 0, out).result()
+            assert out == name.encode()
+    assert traces() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{name}.bp" for name in names)

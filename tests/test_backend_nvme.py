@@ -3,11 +3,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from tierstore.backends import Backend, nvme, open_backend
 from tierstore.backends.nvme import NvmeBackend
 
+from tierstore import Tier, TierStore
 from tierstore.errors import ConfigError, UnwritablePathError
 from tierstore.testing import BackendTests
+
+from .conftest import TmpfsFactory
 
 
 class TestNvmeBackend(BackendTests):
@@ -78,8 +82,10 @@ def test_direct_required_but_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_unwritable_path(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with pytest.raises(UnwritablePathError, match="cannot write"):
-        open_backend({"type": "nvme", "path": blocker / "sub"})
+    for path in (blocker, blocker / "sub"):  # not "File exists": what is in the way, and what it is
+        message = f"cannot use {path} as a directory: {blocker} is a file"
+        with pytest.raises(UnwritablePathError, match=message):
+            open_backend({"type": "nvme", "path": path})
 
 
 @pytest.mark.parametrize(
@@ -127,3 +133,86 @@ def test_deleted_files_are_recycled_for_objects_of_the_same_size(tmp_path: Path)
         backend.read_into("w2", 0, out).result()
         assert bytes(out) == other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v3", "w2"]  # close() removed no object
+
+
+def fill_up(directory: Path) -> None:
+    """Write a file in ``directory`` until its file system has no block left."""
+    with open(directory / "filler", "wb", buffering=0) as filler:
+        for size in (1 << 20, 4096, 512):
+            try:
+                while True:
+                    filler.write(bytes(size))
+            except OSError as error:
+                assert error.errno == errno.ENOSPC
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes of every file under ``root``, recycled spares included."""
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
+
+def test_spares_give_their_space_back_when_a_write_needs_it(small_tmpfs: TmpfsFactory) -> None:
+    """16 MiB: eight deleted objects of 1.5 MiB are kept as spares (12 MiB), and writes of
+    another size still find room: the spares go before a write would fail with ENOSPC."""
+    mount = small_tmpfs("16m")
+    with TierStore([Tier("small", open_backend(f"nvme://{mount}"))], cache_budget=0) as store:
+        backend = store.tiers[0].paths[0].backend
+        assert isinstance(backend, NvmeBackend)
+        if not backend.direct:
+            pytest.skip("this tmpfs refuses O_DIRECT, so no file is recycled")
+        for index in range(8):
+            store[f"old{index}"] = torch.zeros(3 << 17)  # 1.5 MiB
+        for index in range(8):
+            del store[f"old{index}"]
+        assert backend.spare_bytes() == 12 << 20
+        for index in range(2):
+            store[f"new{index}"] = torch.ones(5 << 18)  # 5 MiB: no spare of that size
+        assert torch.equal(store["new1"], torch.ones(5 << 18))
+        assert backend.spare_bytes() < 12 << 20
+
+
+def test_a_tier_capacity_counts_recycled_spares(tmp_path: Path) -> None:
+    """Spares are disk space too: a tier of 4 MiB never holds more than 4 MiB with them, and a
+    put never fails for their sake."""
+    tier = Tier("t", open_backend(f"nvme://{tmp_path}"), capacity=4 << 20)
+    with TierStore([tier], cache_budget=0) as store:
+        backend = tier.paths[0].backend
+        assert isinstance(backend, NvmeBackend) and backend.direct
+        for index in range(3):
+            store[f"old{index}"] = torch.zeros(1 << 18)  # 1 MiB
+        for index in range(3):
+            del store[f"old{index}"]
+        assert tier.spare_bytes() == 3 << 20 and tier.stats()["spare_bytes"] == 3 << 20
+        store["new"] = torch.zeros(1 << 19)  # 2 MiB, another size: one spare has to go
+        assert tier.used_bytes + tier.spare_bytes() <= 4 << 20
+        assert disk_bytes(tmp_path) <= 4 << 20
+        store["newer"] = torch.zeros(1 << 19)  # the tier's whole capacity: every spare goes
+        assert tier.spare_bytes() == 0 and disk_bytes(tmp_path) == 4 << 20
+
+
+@pytest.mark.parametrize("probe", [False, True], ids=["configured", "probed"])
+def test_a_store_whose_first_tier_is_full_opens_and_serves_reads(
+    small_tmpfs: TmpfsFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe: bool
+) -> None:
+    """Not an unwritable path: the O_DIRECT check at open and the bandwidth probe meet ENOSPC, and
+    the keys on both tiers stay readable; new objects go to the tier with room."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    full = small_tmpfs("4m")
+    config = {
+        "cache": {"budget": 0},
+        "manifest": str(tmp_path / "manifest"),
+        "tiers": [
+            {"name": "full", "backend": f"nvme://{full / 'tier'}", "capacity": "1MiB", "probe": probe},
+            {"name": "roomy", "backend": f"nvme://{tmp_path / 'roomy'}"},
+        ],
+    }
+    with TierStore.from_config(config) as store:
+        store["a"] = torch.arange(1 << 18, dtype=torch.int32)  # 1 MiB: the first tier's capacity
+        store["b"] = torch.arange(1000)  # on to the second
+        assert store.info("a").tier == "full" and store.info("b").tier == "roomy"
+    fill_up(full)
+    with TierStore.from_config(config) as store:
+        assert torch.equal(store["a"], torch.arange(1 << 18, dtype=torch.int32))
+        assert torch.equal(store["b"], torch.arange(1000))
+        store["c"] = torch.ones(10)
+        assert store.info("c").tier == "roomy" and torch.equal(store["c"], torch.ones(10))

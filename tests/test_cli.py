@@ -1,11 +1,17 @@
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from tierstore.cli import main
+from tierstore import TierStore
+from tierstore.cli import main, training_failure
 
 VIRTUAL = """
 [[tiers]]
@@ -59,8 +65,7 @@ def test_train_with_apollo_mini(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_spill_round_trips_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["spill", "--dir", str(tmp_path / "data"), "--total", "8MiB", "--object", "1MiB"]) == 0
-    out = capsys.readouterr().out
-    assert "verified=True" in out
+    assert "verified=True" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()  # the store removed its objects, the CLI the directory
 
 
@@ -71,24 +76,24 @@ def test_spill_reports_what_reached_the_tier(
     memory copies off as tier throughput; ``--budget`` makes it spill."""
     monkeypatch.chdir(tmp_path)  # the embedded config's ./tierstore-data
     assert main(["spill", "--total", "4MiB", "--object", "1MiB"]) == 0
-    report, summary = _report_and_summary(capsys.readouterr().out)
+    report, summary = _report_and_summary(*capsys.readouterr())
     assert report["cache_budget_bytes"] == 256 << 20
     assert report["tier_bytes_written"] == 4 << 20 and report["tier_bytes_read"] == 0  # flush only
     assert "every read was served from DRAM" in summary and "verified=True" in summary
     assert main(["spill", "--total", "4MiB", "--object", "1MiB", "--budget", "1MiB"]) == 0
-    report, summary = _report_and_summary(capsys.readouterr().out)
+    report, summary = _report_and_summary(*capsys.readouterr())
     assert report["cache_budget_bytes"] == 1 << 20 and report["tier_bytes_written"] >= 3 << 20
     assert report["tier_bytes_read"] >= 3 << 20 and "4.0x the DRAM budget" in summary
     assert main(["spill", "--total", "4MiB", "--object", "1MiB", "--budget", "0"]) == 0
-    report, summary = _report_and_summary(capsys.readouterr().out)
+    report, summary = _report_and_summary(*capsys.readouterr())
     assert report["tier_bytes_written"] == report["tier_bytes_read"] == 4 << 20
     assert "no DRAM cache" in summary and "served from DRAM" not in summary
     assert list(tmp_path.iterdir()) == []  # ./tierstore-data was made by each run and removed
 
 
-def _report_and_summary(out: str) -> tuple[dict[str, Any], str]:
-    text, _, summary = out.rstrip("\n").rpartition("\n")
-    return json.loads(text), summary
+def _report_and_summary(out: str, err: str) -> tuple[dict[str, Any], str]:
+    """The report (stdout: one JSON document) and the summary line (stderr)."""
+    return json.loads(out), err.strip().splitlines()[-1]
 
 
 def test_spill_keeps_a_directory_it_did_not_create(tmp_path: Path) -> None:
@@ -163,14 +168,28 @@ def test_the_description_says_what_tierstore_does(capsys: pytest.CaptureFixture[
 def test_probe_reports_and_caches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Each figure says where it comes from; a probe of another size measures something else, so
+    the cache's figures are used for the same size only."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     config = tmp_path / "c.toml"
     config.write_text(VIRTUAL.format(root=tmp_path / "disk"))
-    assert main(["probe", str(config), "--size", "4MiB"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"fast", "disk"}
-    assert 0 < report["fast"]["write_gb_per_s"] <= 0.41  # throttled to 0.4 GB/s; how far below is load
+
+    def probe(size: str) -> dict[str, Any]:
+        assert main(["probe", str(config), "--size", size]) == 0
+        report: dict[str, Any] = json.loads(capsys.readouterr().out)
+        assert set(report) == {"fast", "disk"}
+        return report
+
+    first = probe("4MiB")
+    assert 0 < first["fast"]["write_gb_per_s"] <= 0.41  # throttled to 0.4 GB/s; how far below is load
     assert (tmp_path / "cache" / "tierstore" / "bandwidth.json").exists()
+    assert first["disk"]["source"] == "measured" and first["disk"]["probe_bytes"] == 4 << 20
+    again = probe("4MiB")["disk"]
+    assert again["source"] == "cache" and again["measured_at"] == first["disk"]["measured_at"]
+    other = probe("1MiB")["disk"]  # not the 4 MiB figures
+    assert other["source"] == "measured" and other["probe_bytes"] == 1 << 20
+    assert probe("1MiB")["disk"]["source"] == "cache"
+    assert probe("4MiB")["disk"]["source"] == "measured"  # the cache keeps a path's latest probe
 
 
 def test_bench_writes_json_and_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -206,3 +225,210 @@ def test_bad_config_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[st
     config.write_text('{"tiers": [{"name": "x", "backend": "warp://"}]}')
     assert main(["bench", str(config)]) == 2
     assert "unknown backend 'warp'" in capsys.readouterr().err
+
+
+TINY_TRAIN = [
+    "--layers", "1", "--width", "64", "--length", "16", "--batch", "2",
+    "--sub-group-size", "50000", "--dram-budget", "2MiB", "--activation-budget", "1MiB",
+]  # fmt: skip
+
+
+def extras_only_modules() -> set[str]:
+    """Top-level modules of the distributions only tierstore's extras install: neither a runtime
+    requirement nor anything those pull in."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    def requirements(distribution: str) -> list[Requirement]:
+        try:
+            return [Requirement(text) for text in metadata.requires(distribution) or []]
+        except metadata.PackageNotFoundError:
+            return []
+
+    runtime: set[str] = set()
+    pending = [r for r in requirements("tierstore") if r.marker is None]
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if name not in runtime:
+            runtime.add(name)
+            pending += [r for r in requirements(name) if r.marker is None or r.marker.evaluate({"extra": ""})]
+    extras = {canonicalize_name(r.name) for r in requirements("tierstore") if r.marker is not None}
+    blocked = extras - runtime - {"tierstore"}
+    return {
+        module
+        for module, distributions in metadata.packages_distributions().items()
+        if any(canonicalize_name(d) in blocked for d in distributions)
+    }
+
+
+BLOCKING_TRAIN = """
+import json, sys
+for name in json.loads(sys.argv[1]):  # as if not installed: import fails, find_spec says None
+    sys.modules[name] = None
+from tierstore.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_the_main_job_needs_only_the_runtime_dependencies(tmp_path: Path) -> None:
+    """``make demo`` on a fresh machine has ``pip install tierstore`` and nothing more: ``train``
+    runs with every package only an extra installs (pytest, matplotlib, zarr, deepspeed...) made
+    unimportable."""
+    blocked = extras_only_modules()
+    assert {"pytest", "matplotlib", "zarr", "deepspeed"} <= blocked
+    arguments = ["train", "--dir", str(tmp_path / "data"), "--steps", "2", *TINY_TRAIN]
+    run = subprocess.run(
+        [sys.executable, "-c", BLOCKING_TRAIN, json.dumps(sorted(blocked)), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["loss_decreased"] is True
+
+
+def test_one_training_step_is_not_a_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--dir", str(tmp_path / "data"), "--steps", "1", *TINY_TRAIN]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["steps"]) == 1 and report["loss_decreased"] is None
+
+
+def test_a_failed_training_check_says_why() -> None:
+    """The one exit status ``train`` chooses itself besides success (errors and Ctrl-C say theirs)."""
+    steps = [{"loss": 5.5}, {"loss": 5.25}, {"loss": 5.75}]
+    assert training_failure({"steps": steps, "loss_decreased": False}) == (
+        "the loss did not decrease over 3 steps (5.5 to 5.75)"
+    )
+    assert training_failure({"steps": steps[:1], "loss_decreased": None}) is None
+
+
+@pytest.mark.parametrize("command", ["train", "spill"])
+def test_a_directory_that_is_a_file_is_named_as_such(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "data").write_text("mine")
+    arguments = [command, "--dir", str(tmp_path / "data")]
+    assert main([*arguments, *(TINY_TRAIN if command == "train" else ["--total", "4", "--object", "4"])]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'data'} is a file, not a directory" in err and "Traceback" not in err
+    assert (tmp_path / "data").read_text() == "mine"
+
+
+def test_spill_prints_one_json_document_and_its_summary_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["spill", "--dir", str(tmp_path / "data"), "--total", "2MiB", "--object", "1MiB"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["verified"] is True
+    assert "verified=True" in captured.err
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".ini", ""])
+def test_a_config_that_is_neither_toml_nor_json_is_named(
+    suffix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / f"store{suffix}"
+    config.write_text("tiers:\n  - name: a\n    backend: dram://\n")
+    for arguments in (["spill", "--config", str(config)], ["probe", str(config)], ["bench", str(config)]):
+        assert main(arguments) == 2
+        err = capsys.readouterr().err
+        assert "configs are TOML (.toml) or JSON (.json) files" in err and "Expecting value" not in err
+
+
+@pytest.mark.parametrize(
+    ("option", "path", "problem"),
+    [
+        ("--output", "missing/out.json", "directory {tmp}/missing does not exist"),
+        ("--plot", "missing/x.png", "directory {tmp}/missing does not exist"),
+        ("--output", ".", ". is a directory"),
+    ],
+)
+def test_bench_refuses_an_output_it_cannot_write_before_the_work(
+    option: str,
+    path: str,
+    problem: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.toml"
+    config.write_text(VIRTUAL.format(root=tmp_path / "disk"))
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", str(config), "--size", "4MiB", "--objects", "1", option, path])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: {problem.format(tmp=tmp_path)}" in err
+    assert not (tmp_path / "disk").exists()  # nothing measured
+
+
+def test_a_finished_bench_report_is_printed_even_if_its_file_cannot_be_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """/dev/full: a writable directory, a file whose every write fails (ENOSPC)."""
+    config = tmp_path / "c.toml"
+    config.write_text(VIRTUAL.format(root=tmp_path / "disk"))
+    assert main(["bench", str(config), "--size", "1MiB", "--objects", "1", "--output", "/dev/full"]) == 1
+    captured = capsys.readouterr()
+    assert set(json.loads(captured.out)["tiers"]) == {"virtual"}
+    assert "the report above was not written to /dev/full: No space left on device" in captured.err
+
+
+def test_an_unwritable_probe_cache_is_a_warning_not_an_error(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A home that cannot take ``.cache/tierstore`` (a file in its way: as root, permissions would
+    not stop the write): ``probe`` reports, and a store with ``probe = true`` opens; the
+    ``tierstore`` logger warns (a program that configures no logging shows it on stderr)."""
+    (tmp_path / "home").write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / "cache"))
+    config = tmp_path / "c.toml"
+    config.write_text(VIRTUAL.format(root=tmp_path / "disk"))
+    assert main(["probe", str(config), "--size", "1MiB"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["disk"]["source"] == "measured"
+    assert "Traceback" not in captured.err
+    assert "bandwidth probe not cached: cannot write" in caplog.text and "Not a directory" in caplog.text
+    probed = {"tiers": [{"name": "t", "backend": f"nvme://{tmp_path / 'probed'}", "probe": True}]}
+    with TierStore.from_config(probed) as store:
+        store["x"] = torch.ones(3)
+        assert store.bandwidths()["t"]
+
+
+@pytest.mark.parametrize("command", ["train", "spill"])
+def test_ctrl_c_exits_130_with_one_line(command: str, tmp_path: Path) -> None:
+    """SIGINT once the run is under way: the clean-up runs (the directory it made is gone), and the
+    terminal gets one line, not a traceback. A shell shows status 130 either way: ``main`` returns
+    it, and now and then (under load) CPython ends the process at exit by re-raising SIGINT, its
+    own way of reporting an interrupt, which a shell reports as 128 + 2 too."""
+    data = tmp_path / "data"
+    arguments = {
+        "train": ["train", "--dir", str(data), "--steps", "10000", *TINY_TRAIN],
+        "spill": ["spill", "--dir", str(data), "--total", "64GiB", "--object", "1MiB", "--budget", "0"],
+    }[command]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tierstore.cli", *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (data.exists() and any(data.rglob("*"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # well into the work
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode in (130, -signal.SIGINT), err[-2000:]
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("tierstore")]
+    assert lines == [f"tierstore {command}: interrupted"] and "Traceback" not in err
+    assert out == "" and not data.exists()

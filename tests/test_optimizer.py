@@ -11,7 +11,9 @@ import torch
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, engine, partition
 
-from tierstore import BufferMismatchError, CapacityError, ConfigError, Tier, TierStore
+from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, Tier, TierStore
+
+from .conftest import train_side_by_side
 
 SHAPES = [(37, 13), (1000,), (7,), (300, 3), (4097,)]  # sizes off every alignment
 
@@ -500,7 +502,9 @@ def test_checkpoints_with_one_global_step_still_load(tmp_path: Path) -> None:
         ("eps", [-1e-8, float("nan"), "1e-8"]),
         ("weight_decay", [-0.1, float("nan"), "0.01", None]),
         ("betas", [(0.9,), (0.9, 0.999, 0.5), (1.0, 0.999), (0.9, -0.1), "ab", (0.9, float("nan")), 0.9]),
-        ("namespace", ["", "/abs", "a/../b", "bad\x00name", None, 7]),
+        ("namespace", ["", "/abs", "a/../b", "bad\x00name", "del\x7f", "nel\x85", "trailing/", None, 7]),
+        ("amsgrad", [1, None, "yes"]),
+        ("maximize", [0, None]),
         ("compute_threads", [0, -1, 1.5, True, "1"]),
     ],
 )
@@ -609,3 +613,154 @@ def test_a_pooled_subgroup_grows_into_a_larger_buffer_keeping_its_values(tmp_pat
             assert "a" in stager.resident
             assert torch.equal(stager.read("a")[4096:], torch.full((2 * 4096,), 7.0))
             del state
+
+
+def twins(shapes: list[tuple[int, ...]]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    torch.manual_seed(1)
+    model = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    return model, [torch.nn.Parameter(p.detach().clone()) for p in model]
+
+
+def test_two_optimizers_on_one_store_never_share_a_namespace(tmp_path: Path) -> None:
+    """A GAN's generator and discriminator on one store: with default arguments the second is
+    refused, naming the namespace, instead of the two overwriting each other's state; each in a
+    namespace of its own trains as torch does; a namespace comes free when its holder closes or is
+    garbage collected."""
+    from tierstore.optimizer import OffloadedAPOLLO
+
+    from tierstore import NamespaceInUseError
+
+    with make_store(tmp_path, "nvme") as store:
+        generator, generator_twin = twins([(300,), (17, 5)])
+        discriminator, discriminator_twin = twins([(300,), (40,)])
+        first = OffloadedAdamW(generator, store, sub_group_size=200)
+        with pytest.raises(NamespaceInUseError, match=r"'adamw'.*OffloadedAdamW"):
+            OffloadedAdamW(discriminator, store, sub_group_size=200)
+        with pytest.raises(NamespaceInUseError, match="'adamw'"):
+            OffloadedAPOLLO(discriminator, store, namespace="adamw")
+        OffloadedAPOLLO(discriminator, store)  # its own default namespace, "apollo"
+        first.close()
+        with pytest.raises(StoreClosedError):
+            first.step()
+
+        g = OffloadedAdamW(generator, store, sub_group_size=200, namespace="g")
+        d = OffloadedAdamW(discriminator, store, sub_group_size=200, namespace="d")
+        assert store.namespaces.claimed() == {"d": "OffloadedAdamW", "g": "OffloadedAdamW"}
+        for optimizer, model, twin in (
+            (g, generator, generator_twin),
+            (d, discriminator, discriminator_twin),
+        ):
+            expected = torch.optim.AdamW(twin, lr=1e-3, weight_decay=1e-2, foreach=False)
+            train_side_by_side(optimizer, model, expected, twin, range(4))
+        for optimizer, twin in ((g, generator_twin), (d, discriminator_twin)):
+            for got, want in zip(optimizer.master_params(), twin, strict=True):
+                torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        del g
+        assert "g" not in store.namespaces.claimed()
+        OffloadedAdamW(generator, store, sub_group_size=200, namespace="g")
+
+
+def test_a_snapshot_is_loaded_only_into_the_namespace_that_saved_it(tmp_path: Path) -> None:
+    """Its objects are keys of that namespace, which another workload on the store may hold."""
+    with make_store(tmp_path, "dram") as store:
+        params, _ = twins([(100,)])
+        first = OffloadedAdamW(params, store, namespace="first")
+        first.save_snapshot(tmp_path / "first.h5")
+        other = OffloadedAdamW(params, store, namespace="other")
+        before = store["first/0"].clone()
+        first.step_count = 7
+        with pytest.raises(BufferMismatchError, match=r"'first/0'.*namespace 'other'"):
+            other.load_snapshot(tmp_path / "first.h5")
+        assert torch.equal(store["first/0"], before)
+
+
+@pytest.mark.parametrize("sub_group_size", [64, 1000])
+def test_groups_added_after_construction_are_trained_and_saved(tmp_path: Path, sub_group_size: int) -> None:
+    """As torch.optim.AdamW.add_param_group: the group is updated from then on and is in the state
+    dict; a group larger than any before grows the staging buffers (no budget given), or is a
+    CapacityError within a budget too small for it."""
+    with make_store(tmp_path, "nvme") as store:
+        model, reference = twins([(50,), (7, 3), (400,), (33,)])
+        optimizer = OffloadedAdamW(model[:2], store, sub_group_size=sub_group_size, weight_decay=0.0)
+        expected = torch.optim.AdamW(reference[:2], weight_decay=0.0, foreach=False)
+        train_side_by_side(optimizer, model[:2], expected, reference[:2], range(2))
+        optimizer.add_param_group({"params": model[2:], "lr": 3e-3, "betas": (0.8, 0.99)})
+        expected.add_param_group({"params": reference[2:], "lr": 3e-3, "betas": (0.8, 0.99)})
+        train_side_by_side(optimizer, model, expected, reference, range(2, 6))
+        for got, want in zip(optimizer.master_params(), reference, strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        state = optimizer.state_dict()
+        assert sorted(state["state"]) == [0, 1, 2, 3] and int(state["state"][3]["step"]) == 4
+        assert state["param_groups"][1]["params"] == [2, 3] and state["param_groups"][1]["lr"] == 3e-3
+        torch.testing.assert_close(state["state"][2]["exp_avg"], expected.state[reference[2]]["exp_avg"])
+
+        tight = OffloadedAdamW(model[:1], store, sub_group_size=1000, dram_budget=2048, namespace="tight")
+        with pytest.raises(CapacityError, match="added sub-groups"):
+            tight.add_param_group({"params": model[2:3]})
+        assert len(tight.param_groups) == 1 and len(tight.params) == 1  # nothing changed
+
+
+def test_amsgrad_and_maximize_match_torch_adamw(tmp_path: Path) -> None:
+    """As group keys or constructor arguments; amsgrad's running maximum is a fourth of state,
+    counted in the working set and saved in the state dict."""
+    with make_store(tmp_path, "nvme") as store:
+        model, reference = twins([(300,), (17, 5), (60,)])
+        groups: list[dict[str, Any]] = [
+            {"params": model[:2], "amsgrad": True, "maximize": True},
+            {"params": model[2:]},
+        ]
+        optimizer = OffloadedAdamW(
+            groups,
+            store,
+            sub_group_size=128,
+            maximize=False,
+        )
+        expected = torch.optim.AdamW(
+            [{**groups[0], "params": reference[:2]}, {"params": reference[2:]}], foreach=False
+        )
+        train_side_by_side(optimizer, model, expected, reference, range(6))
+        for got, want in zip(optimizer.master_params(), reference, strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        assert [optimizer.state_numel(sg) // sg.numel for sg in optimizer.subgroups] == [4, 4, 4, 4, 3]
+        assert optimizer.stager.slot_bytes == 4 * 4 * 128
+        state = optimizer.state_dict()["state"]
+        torch.testing.assert_close(state[1]["max_exp_avg_sq"], expected.state[reference[1]]["max_exp_avg_sq"])
+        assert "max_exp_avg_sq" not in state[2]
+
+        single = OffloadedAdamW(model[2:], store, amsgrad=True, maximize=True, namespace="single")
+        assert single.param_groups[0]["amsgrad"] and single.param_groups[0]["maximize"]
+        optimizer.param_groups[1]["amsgrad"] = True  # the state has no room for it
+        with pytest.raises(ConfigError, match=r"param_groups\.1\.amsgrad"):
+            optimizer.step()
+        optimizer.param_groups[1]["amsgrad"] = False
+        saved = optimizer.state_dict()
+        saved["param_groups"][0]["amsgrad"] = False
+        with pytest.raises(BufferMismatchError, match=r"param_groups\.0\.amsgrad"):
+            optimizer.load_state_dict(saved)
+
+
+def test_a_parameter_listed_twice_is_refused(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        param = torch.nn.Parameter(torch.randn(10))
+        with pytest.raises(ConfigError, match=r"param_groups\.0\.params: .*listed twice"):
+            OffloadedAdamW([param, param], store)
+        optimizer = OffloadedAdamW([torch.nn.Parameter(torch.randn(3))], store)
+        with pytest.raises(ConfigError, match=r"param_groups\.1\.params: .*listed twice"):
+            optimizer.add_param_group({"params": [param, param]})
+        assert len(optimizer.param_groups) == 1
+
+
+def test_a_sparse_gradient_is_refused_naming_the_parameter(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        embedding = torch.nn.Embedding(10, 4, sparse=True)
+        other = torch.nn.Parameter(torch.randn(5))
+        optimizer = OffloadedAdamW([other, embedding.weight], store)
+        embedding(torch.tensor([1, 2])).sum().backward()
+        other.grad = torch.ones(5)
+        before = [p.detach().clone() for p in (other, embedding.weight)]
+        with pytest.raises(
+            BufferMismatchError, match=r"parameter 1 \(shape \(10, 4\)\) has a torch.sparse_coo"
+        ):
+            optimizer.step()
+        assert all(torch.equal(p, b) for p, b in zip((other, embedding.weight), before, strict=True))
+        assert optimizer.step_count == 0 and torch.equal(optimizer.master_params()[0], before[0])

@@ -137,6 +137,20 @@ def test_get_rejects_mismatched_out(make_store: StoreFactory, out: torch.Tensor)
         store.get("x", out=out)
 
 
+@pytest.mark.parametrize("cache_budget", [0, 1 << 20], ids=["from the tier", "through the cache"])
+def test_get_refuses_an_out_whose_elements_share_memory(make_store: StoreFactory, cache_budget: int) -> None:
+    """An expanded (stride 0) destination cannot hold distinct values: a BufferMismatchError before
+    anything is read, on every tier kind and read path."""
+    store = make_store(cache_budget=cache_budget)
+    store["x"] = torch.arange(8.0).reshape(2, 4)
+    store.flush()
+    for out in (torch.zeros(1, 4).expand(2, 4), torch.zeros(2, 1).expand(2, 4)):
+        with pytest.raises(BufferMismatchError, match="share memory along dimension"):
+            store.get("x", out=out)
+        assert torch.equal(out, torch.zeros(2, 4))
+    assert torch.equal(store.get("x", out=torch.empty(2, 4)).result(), torch.arange(8.0).reshape(2, 4))
+
+
 def test_overwrite_changes_shape_and_dtype_and_frees_old_copy(make_store: StoreFactory) -> None:
     store = make_store(cache_budget=0 + (64 << 10), policy="write-through")
     store["k"] = torch.randn(100)
@@ -228,12 +242,15 @@ def test_delete(make_store: StoreFactory) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["", "nul\x00", 3, None, "k" * 1025, "../../etc/passwd", "/abs", "a/../b", "tab\t"]
+    "key",
+    ["", "nul\x00", 3, None, "k" * 1025, "../../etc/passwd", "/abs", "a/../b", "tab\t", "del\x7f", "nel\x85"],
 )
 def test_invalid_keys(make_store: StoreFactory, key: object) -> None:
+    """Every Unicode control character (category Cc: C0, DEL and the C1 controls) is refused."""
     store = make_store()
     with pytest.raises(InvalidKeyError):
         store.put(key, torch.ones(1))  # type: ignore[arg-type]
+    assert store.keys() == []
 
 
 def test_keys_are_opaque_strings(make_store: StoreFactory) -> None:

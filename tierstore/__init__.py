@@ -18,7 +18,9 @@ from .errors import (
     ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
+    ManifestError,
     MissingDataError,
+    NamespaceInUseError,
     OutOfRangeError,
     StoreClosedError,
     StoreLockedError,
@@ -26,6 +28,7 @@ from .errors import (
     UnsupportedVersionError,
     UnwritablePathError,
 )
+from .namespaces import NamespaceClaim
 from .snapshot import export_hdf5, import_hdf5
 from .store import ObjectInfo, TierStore
 from .tier import Placement, Tier
@@ -43,7 +46,10 @@ __all__ = [
     "ConfigError",
     "InvalidKeyError",
     "KeyNotFoundError",
+    "ManifestError",
     "MissingDataError",
+    "NamespaceClaim",
+    "NamespaceInUseError",
     "ObjectInfo",
     "OutOfRangeError",
     "Placement",

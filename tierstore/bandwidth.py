@@ -8,7 +8,9 @@ a path that slows down is given less within a few objects.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -20,6 +22,10 @@ from filelock import FileLock
 
 from .backends.base import Backend
 from .buffers import AlignedBuffer
+
+PROBE_BYTES = 64 << 20
+"""Size of the object a probe writes and reads back, unless told otherwise."""
+_log = logging.getLogger("tierstore")
 
 
 class InFlight:
@@ -133,7 +139,18 @@ class Bandwidth:
         return {"read_gb_per_s": round(self.read / 1e9, 3), "write_gb_per_s": round(self.write / 1e9, 3)}
 
 
-def probe(backend: Backend, nbytes: int = 64 << 20, repeats: int = 2) -> Bandwidth:
+@dataclass(frozen=True)
+class Probed:
+    """A path's bandwidth as a probe measured it, with the probe's object size and when."""
+
+    bandwidth: Bandwidth
+    nbytes: int
+    """Size of the object the probe wrote and read back (small objects understate a fast device)."""
+    measured_at: float
+    """When, in seconds since the epoch."""
+
+
+def probe(backend: Backend, nbytes: int = PROBE_BYTES, repeats: int = 2) -> Probed:
     """Write and read back a scratch object of ``nbytes`` ``repeats`` times; the best of each.
 
     Reads of buffered backends may be served from the page cache, which overstates them; the
@@ -156,31 +173,58 @@ def probe(backend: Backend, nbytes: int = 64 << 20, repeats: int = 2) -> Bandwid
         if backend.exists(name):
             backend.delete(name)
         buffer.free()
-    return Bandwidth(read=best_read, write=best_write)
+    return Probed(Bandwidth(read=best_read, write=best_write), nbytes, time.time())
 
 
 class ProbeCache:
-    """Probe results on disk (JSON), keyed by host and path identity, valid for ``max_age`` seconds."""
+    """Probe results on disk (JSON), keyed by host and path identity, valid for ``max_age`` seconds.
+
+    The cache only saves probes: where it cannot be written (a read-only home, a full disk) a
+    warning says so and the figures are simply not kept.
+    """
 
     def __init__(self, path: Path | None = None, max_age: float = 7 * 24 * 3600) -> None:
         cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
         self.path = path or cache_home / "tierstore" / "bandwidth.json"
         self.max_age = max_age
 
-    def get(self, identity: str) -> Bandwidth | None:
-        entry = self._load().get(self._key(identity))
-        if entry is None or time.time() - entry["measured_at"] > self.max_age:
+    def get(self, identity: str, nbytes: int | None = None) -> Probed | None:
+        """The cached probe of the path ``identity``, if recent enough and, when ``nbytes`` is given,
+        measured with an object of that size (a probe of another size measures something else)."""
+        entry = self._load().get(self._key(identity), {})
+        try:
+            probed = Probed(
+                Bandwidth(read=float(entry["read"]), write=float(entry["write"])),
+                int(entry["nbytes"]),
+                float(entry["measured_at"]),
+            )
+        except (KeyError, TypeError, ValueError):  # absent or incomplete
             return None
-        return Bandwidth(read=entry["read"], write=entry["write"])
+        if time.time() - probed.measured_at > self.max_age or nbytes not in (None, probed.nbytes):
+            return None
+        return probed
 
-    def put(self, identity: str, bandwidth: Bandwidth) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with FileLock(str(self.path) + ".lock"):
-            entries = self._load()
-            entries[self._key(identity)] = {**asdict(bandwidth), "measured_at": time.time()}
-            temporary = self.path.with_suffix(f".tmp-{os.getpid()}")
-            temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-            os.replace(temporary, self.path)
+    def put(self, identity: str, probed: Probed) -> None:
+        """Save a probe of the path ``identity``; if the cache file cannot be written, warn (the
+        ``tierstore`` logger) and go on without it."""
+        temporary = self.path.with_suffix(f".tmp-{os.getpid()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with FileLock(str(self.path) + ".lock"):
+                entries = self._load()
+                entries[self._key(identity)] = {
+                    **asdict(probed.bandwidth),
+                    "nbytes": probed.nbytes,
+                    "measured_at": probed.measured_at,
+                }
+                temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+                os.replace(temporary, self.path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            _log.warning(
+                "bandwidth probe not cached: cannot write %s: %s", self.path, error.strerror or error
+            )
 
     def _load(self) -> dict[str, dict[str, float]]:
         try:

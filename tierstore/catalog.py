@@ -9,6 +9,7 @@ write-back cache keeps the journaled one alive (``Record.journaled``) until it i
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ class Record:
     """Persistent stores: the version the manifest names while a newer one is only cached."""
     scratch: bool = False
     """Never journaled (see :meth:`TierStore.put`)."""
+    damaged: str | None = None
+    """Why the manifest entry this record was loaded from does not fit its object (its reads are
+    refused; it can still be deleted or overwritten), or None."""
 
 
 class Catalog:
@@ -177,9 +181,29 @@ class Catalog:
                     f"tier {entry['tier']!r} is too small for the objects its manifest lists"
                 ) from None
             self._records[key] = Record(
-                tuple(entry["shape"]), dtype, int(entry["nbytes"]), persisted=placement
+                tuple(entry["shape"]),
+                dtype,
+                int(entry["nbytes"]),
+                persisted=placement,
+                damaged=_mismatch(entry, dtype),
             )
         self.chain.collect(manifest.tokens, {entry["name"] for entry in manifest.entries.values()})
+
+
+def _mismatch(entry: dict[str, Any], dtype: torch.dtype) -> str | None:
+    """Why a manifest entry cannot describe its object (its shape needs other bytes than it
+    records, or its extents hold other bytes), or None if it can."""
+    needed = math.prod(entry["shape"]) * dtype.itemsize
+    nbytes, pack = entry["nbytes"], entry.get("pack")
+    if needed != nbytes:
+        return (
+            f"shape {entry['shape']} of {dtype_name(dtype)} needs {needed} bytes, the entry records {nbytes}"
+        )
+    held = sum(extent["length"] for extent in entry["extents"])
+    end = nbytes + (0 if pack is None else pack["offset"])
+    if end > held or (pack is None and end != held):
+        return f"the entry records {nbytes} bytes, its object {entry['name']} holds {held}"
+    return None
 
 
 def _manifest_entry(record: Record, placement: Placement) -> dict[str, Any]:

@@ -10,7 +10,8 @@ The subcommands of the ``tierstore`` command line (the paragraph above is its ``
 * ``tierstore spill``: spill tensors several times larger than the DRAM budget through the store,
   read every one back, verify it bit for bit, print the throughput of each phase and how many
   bytes actually reached the tiers (none when everything fits in the budget).
-* ``tierstore probe CONFIG``: measure (or show the cached) read and write bandwidth of every path.
+* ``tierstore probe CONFIG``: measure (or show the cached, of the same probe size) read and write
+  bandwidth of every path, saying which.
 * ``tierstore bench CONFIG``: throughput of each path alone and of each tier with all its paths,
   with a progress bar, JSON output and a PNG of GB/s per path over time.
 
@@ -21,11 +22,14 @@ has deleted its objects by then). Bad options are usage errors (exit status 2) n
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -261,28 +265,38 @@ def run_training(
         report["activation_stats"] = offload.stats()
         report["activation_plan"] = offload.plan_explain()
     losses = [entry["loss"] for entry in report["steps"]]
-    report["loss_decreased"] = losses[-1] < losses[0]
+    report["loss_decreased"] = losses[-1] < losses[0] if len(losses) > 1 else None  # one step: no trend
     return report
 
 
 def run_probe(config: StoreConfig, size: int, refresh: bool) -> dict[str, Any]:
-    """Bandwidth of every path of every tier (cached unless ``refresh``)."""
+    """Bandwidth of every path of every tier, with where each figure came from: measured now, or
+    the cache's (a probe of the same ``size`` at most a week old) unless ``refresh``."""
     cache = ProbeCache()
     report: dict[str, Any] = {}
     for index, tier in enumerate(config.tiers):
         for position, path in enumerate(tier.path_configs()):
             identity = json.dumps(path.backend, sort_keys=True, default=str)
             name = path.name or f"{tier.name}.{position}"
-            cached = None if refresh else cache.get(identity)
-            if cached is None:
+            probed = None if refresh else cache.get(identity, size)
+            source = "cache"
+            if probed is None:
                 with open_backend(path.backend, where=f"tiers.{index}.backend") as backend:
-                    cached = probe(backend, size)
-                cache.put(identity, cached)
-            report[name] = {"tier": tier.name, "backend": path.backend, **cached.as_gbps()}
+                    probed = probe(backend, size)
+                cache.put(identity, probed)
+                source = "measured"
+            report[name] = {
+                "tier": tier.name,
+                "backend": path.backend,
+                **probed.bandwidth.as_gbps(),
+                "probe_bytes": probed.nbytes,
+                "source": source,
+                "measured_at": datetime.fromtimestamp(probed.measured_at, UTC).isoformat(timespec="seconds"),
+            }
     return report
 
 
-def run_bench(config: StoreConfig, size: int, count: int, plot: Path | None) -> dict[str, Any]:
+def run_bench(config: StoreConfig, size: int, count: int) -> dict[str, Any]:
     """Each path alone, then each tier with all its paths, sampled over time."""
     report: dict[str, Any] = {"object_bytes": size, "objects": count, "tiers": {}}
     series: dict[str, list[tuple[float, float]]] = {}
@@ -314,9 +328,6 @@ def run_bench(config: StoreConfig, size: int, count: int, plot: Path | None) -> 
         finally:
             tier.close()
     report["timeline_gb_per_s"] = series
-    if plot is not None:
-        plot_timeline(series, f"tierstore bench: {size >> 20} MiB objects", str(plot))
-        report["plot"] = str(plot)
     return report
 
 
@@ -396,8 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe_command = commands.add_parser(
         "probe",
         help="measure each path's read and write bandwidth",
-        description="Write and read back a scratch object on every path of every tier; print GB/s "
-        "(cached in ~/.cache/tierstore/bandwidth.json).",
+        description="Write and read back a scratch object on every path of every tier; print GB/s, "
+        "the probe's object size and whether each figure was measured now or taken from the cache "
+        "(~/.cache/tierstore/bandwidth.json: a probe of the same --size at most a week old).",
     )
     probe_command.add_argument("config", type=Path, help="store config (.toml/.json)")
     probe_command.add_argument(
@@ -421,50 +433,103 @@ def main(argv: Sequence[str] | None = None) -> int:
         demo.error(
             f"argument --total: {args.total} bytes is not a multiple of --object ({args.object} bytes)"
         )
+    if args.command == "bench":  # a report must never be lost to an output it cannot write
+        for option, path in (("--output", args.output), ("--plot", args.plot)):
+            problem = None if path is None else _unwritable(path)
+            if problem is not None:
+                bench.error(f"argument {option}: {problem}")
+        if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+            bench.error("argument --plot: needs matplotlib: pip install 'tierstore[plot]'")
 
     try:
         if args.command == "spill":
             return _spill(args)
         if args.command == "train":
-            defaults = default_config()
-            directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
-            defaults["tiers"][0]["backend"]["path"] = str(directory)
-            with _removed_if_created(directory):
-                report = run_training(
-                    defaults,
-                    layers=args.layers,
-                    width=args.width,
-                    length=args.length,
-                    batch=args.batch,
-                    steps=args.steps,
-                    sub_group_size=args.sub_group_size,
-                    budget=args.dram_budget,
-                    activation_budget=args.activation_budget,
-                    optimizer_name=args.optimizer,
-                )
-            print(json.dumps(report, indent=2))
-            return 0 if report["loss_decreased"] else 1
+            return _train(args)
         settings = load_config(args.config)
         if args.command == "probe":
             report = run_probe(settings, args.size, args.refresh)
         else:
-            report = run_bench(settings, args.size, args.objects, args.plot)
+            report = run_bench(settings, args.size, args.objects)
     except TierStoreError as error:
         print(f"tierstore {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-    except ModuleNotFoundError as error:
-        print(
-            f"tierstore {args.command}: needs {error.name!r}: pip install 'tierstore[plot]'", file=sys.stderr
-        )
-        return 2
+    except KeyboardInterrupt:  # the context managers on the way out have cleaned up
+        print(f"tierstore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    if args.command == "bench" and args.plot is not None:
+        try:
+            plot_timeline(
+                report["timeline_gb_per_s"], f"tierstore bench: {args.size >> 20} MiB objects", str(args.plot)
+            )
+            report["plot"] = str(args.plot)
+        except OSError as error:
+            report["plot_error"] = f"{args.plot}: {error.strerror or error}"
     text = json.dumps(report, indent=2, default=str)
-    if getattr(args, "output", None) is not None:
-        args.output.write_text(text + "\n")
     print(text)
+    if getattr(args, "output", None) is not None:
+        try:
+            args.output.write_text(text + "\n")
+        except OSError as error:
+            print(
+                f"tierstore bench: the report above was not written to {args.output}: "
+                f"{error.strerror or error}",
+                file=sys.stderr,
+            )
+            return 1
     return 0
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why a file could not be written at ``path`` (checked before a long run), or None."""
+    parent = path.absolute().parent
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None
+
+
+def _train(args: argparse.Namespace) -> int:
+    """``train`` with the parsed options: the report (one JSON document) on stdout; a run that
+    fails its check (:func:`training_failure`) says why on stderr and ends with status 1."""
+    defaults = default_config()
+    directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
+    defaults["tiers"][0]["backend"]["path"] = str(directory)
+    with _removed_if_created(directory):
+        report = run_training(
+            defaults,
+            layers=args.layers,
+            width=args.width,
+            length=args.length,
+            batch=args.batch,
+            steps=args.steps,
+            sub_group_size=args.sub_group_size,
+            budget=args.dram_budget,
+            activation_budget=args.activation_budget,
+            optimizer_name=args.optimizer,
+        )
+    print(json.dumps(report, indent=2))
+    failure = training_failure(report)
+    if failure is not None:
+        print(f"tierstore train: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def training_failure(report: dict[str, Any]) -> str | None:
+    """Why a finished ``train`` run failed its own check, or None: the loss must fall from the first
+    step to the last (a one-step run has no trend, and passes)."""
+    if report["loss_decreased"] is not False:
+        return None
+    steps = report["steps"]
+    return f"the loss did not decrease over {len(steps)} steps ({steps[0]['loss']} to {steps[-1]['loss']})"
+
+
 def _spill(args: argparse.Namespace) -> int:
+    """``spill``: the report (one JSON document) on stdout, its one-line summary on stderr."""
     config = default_config() if args.config is None else load_config(args.config).model_dump()
     if args.budget is not None:
         config["cache"] = {**config.get("cache", {}), "budget": args.budget}
@@ -476,8 +541,15 @@ def _spill(args: argparse.Namespace) -> int:
     else:
         report = run_demo(config, args.total, args.object)
     print(json.dumps(report, indent=2))
-    print(_spill_summary(report))
-    return 0 if report["verified"] else 1
+    print(_spill_summary(report), file=sys.stderr)
+    if not report["verified"]:
+        print(
+            f"tierstore spill: {len(report['mismatched_objects'])} objects read back differ from what "
+            f"was put: {report['mismatched_objects'][:10]}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _spill_summary(report: dict[str, Any]) -> str:

@@ -190,6 +190,11 @@ def load_config(source: ConfigSource) -> StoreConfig:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         where = str(path)
+        if path.suffix not in (".toml", ".json"):
+            raise ConfigError(
+                f"config file {path}: configs are TOML (.toml) or JSON (.json) files, "
+                f"not {path.suffix or 'files without a suffix'}"
+            )
         try:
             text = path.read_text()
         except OSError as error:
@@ -197,7 +202,7 @@ def load_config(source: ConfigSource) -> StoreConfig:
         try:
             source = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {error}") from None
+            raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.')}: {error}") from None
     if not isinstance(source, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(source).__name__}")
     try:

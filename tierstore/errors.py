@@ -36,7 +36,7 @@ class AlignmentError(TierStoreError, ValueError):
 
 
 class StoreClosedError(TierStoreError, RuntimeError):
-    """The store or backend has been closed."""
+    """The store, the backend or the workload (an offloaded optimizer) has been closed."""
 
 
 class ConfigError(TierStoreError, ValueError):
@@ -55,14 +55,20 @@ class UnwritablePathError(BackendIOError):
     """A backend's root path cannot be created or written."""
 
 
-def config_error_from_validation(error: Exception, where: str) -> ConfigError:
-    """Turn a pydantic ``ValidationError`` into a :class:`ConfigError` naming each bad field."""
+def validation_problems(error: Exception, where: str) -> str:
+    """Each bad field of a pydantic ``ValidationError`` with its problem, located under ``where``
+    (a dotted path; empty for the document itself)."""
     problems = []
     for item in getattr(error, "errors", lambda: [])():
         field = ".".join(str(part) for part in item.get("loc", ()))
-        location = f"{where}.{field}" if field else where
+        location = ".".join(part for part in (where, field) if part)
         problems.append(f"{location}: {item.get('msg', 'invalid')}")
-    return ConfigError("invalid configuration: " + ("; ".join(problems) or f"{where}: {error}"))
+    return "; ".join(problems) or f"{where}: {error}"
+
+
+def config_error_from_validation(error: Exception, where: str) -> ConfigError:
+    """Turn a pydantic ``ValidationError`` into a :class:`ConfigError` naming each bad field."""
+    return ConfigError("invalid configuration: " + validation_problems(error, where))
 
 
 class UnsupportedVersionError(TierStoreError, RuntimeError):
@@ -78,6 +84,16 @@ class MissingDataError(BackendIOError):
 
     Data loss, not an unknown key: ``except KeyError`` must never swallow it, so it is an
     ``OSError`` (``ENOENT``) naming the key, the tier path and the backend object."""
+
+
+class ManifestError(BackendIOError):
+    """A persistent store's manifest is damaged: a snapshot or journal line that is not what the
+    store wrote (the message names the file and line), or a key's entry that does not fit its
+    object, e.g. a shape needing more bytes than are stored (the message names the key)."""
+
+
+class NamespaceInUseError(TierStoreError, ValueError):
+    """A workload claimed a namespace (key prefix) that another workload on the same store holds."""
 
 
 class StoreLockedError(TierStoreError, RuntimeError):

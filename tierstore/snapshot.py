@@ -72,6 +72,10 @@ class Snapshot:
         self._objects = source["objects"]
         self.metadata: dict[str, Any] = json.loads(source.attrs["metadata"])
 
+    def keys(self) -> list[str]:
+        """The store keys of the objects, in :meth:`items` order, without reading their data."""
+        return [str(self._objects[name].attrs["key"]) for name in sorted(self._objects)]
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in sorted(self._objects):
             dataset = self._objects[name]

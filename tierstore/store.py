@@ -27,6 +27,7 @@ every put durable when its future resolves.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import numbers
@@ -54,15 +55,16 @@ from .errors import (
     ConfigError,
     InvalidKeyError,
     KeyNotFoundError,
+    ManifestError,
     StoreClosedError,
 )
 from .limits import Priority
 from .manifest import Manifest
 from .memory import MemoryLedger
 from .model import PathSpeed
+from .namespaces import Namespaces, check_key
 from .tier import Tier
 
-MAX_KEY_LENGTH = 1024
 _log = logging.getLogger("tierstore")
 Policy = Literal["write-back", "write-through"]
 Verify = Literal["always", "sampled", "off"]
@@ -121,6 +123,8 @@ class TierStore:
         self.memory = MemoryLedger(memory_budget)
         """The DRAM ledger the store's workloads reserve their budgets from (see :mod:`.memory`)."""
         self.memory.reserve("cache", cache_budget)
+        self.namespaces = Namespaces()
+        """The key prefixes the store's workloads have claimed (see :mod:`.namespaces`)."""
         self.tiers = [
             tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
@@ -200,7 +204,7 @@ class TierStore:
         is never journaled, so a persistent store forgets it (and collects it) at the next open.
         """
         self._check_open()
-        _check_key(key)
+        check_key(key)
         if not isinstance(tensor, torch.Tensor):
             raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
         _check_dense(f"put({key!r})", tensor)
@@ -218,6 +222,7 @@ class TierStore:
             if not isinstance(out, torch.Tensor):
                 raise BufferMismatchError(f"get({key!r}): out must be a torch.Tensor")
             _check_dense(f"get({key!r}): out", out)
+            _check_distinct_elements(f"get({key!r}): out", out)
             record = self._catalog.get(key)
             if record is not None and not self._serial.pending(key):  # else a queued put decides
                 _check_out(key, record, out)
@@ -407,6 +412,8 @@ class TierStore:
         self, key: str, record: Record, out: memoryview, priority: Priority = Priority.CRITICAL
     ) -> None:
         assert record.persisted is not None
+        if record.damaged is not None:
+            raise ManifestError(errno.EIO, f"key {key!r}: the manifest's entry is damaged: {record.damaged}")
         self._chain.read(key, record.persisted, out, priority)
 
     def _read_direct(self, key: str, record: Record, out: torch.Tensor | None) -> torch.Tensor:
@@ -430,7 +437,7 @@ class TierStore:
             raise StoreClosedError("the TierStore is closed")
 
     def _check_known(self, key: str) -> None:
-        _check_key(key)
+        check_key(key)
         if key not in self._catalog and not self._serial.pending(key):
             raise KeyNotFoundError(f"no object with key {key!r}")
 
@@ -480,20 +487,19 @@ def _check_dense(what: str, tensor: torch.Tensor) -> None:
         raise BufferMismatchError(f"{what}: {reason}")
 
 
-def _check_key(key: object) -> None:
-    """Keys never become file names (backend names are generated), but they travel into manifests
-    and snapshots, so anything path-like that could escape a root is refused anyway."""
-    if (
-        not isinstance(key, str)
-        or not key
-        or len(key) > MAX_KEY_LENGTH
-        or any(ord(c) < 32 for c in key)
-        or key.startswith("/")
-        or ".." in key.split("/")
-    ):
-        raise InvalidKeyError(
-            f"keys are non-empty strings of at most {MAX_KEY_LENGTH} characters, without control "
-            f"characters, a leading '/' or a '..' segment; got {key!r}"
+def _check_distinct_elements(what: str, tensor: torch.Tensor) -> None:
+    """Refuse a destination whose elements share memory (``expand``: a stride of 0 along a
+    dimension of more than one element), which cannot hold distinct values; torch's ``copy_``
+    refuses it too, but only once the read is done."""
+    shared = [
+        dim
+        for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride(), strict=True))
+        if size > 1 and stride == 0
+    ]
+    if shared:
+        raise BufferMismatchError(
+            f"{what}: its elements share memory along dimension {shared[0]} (stride 0, as expand() "
+            "makes): it cannot hold distinct values; pass a tensor of its own memory"
         )
 
 

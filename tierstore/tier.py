@@ -264,7 +264,9 @@ class Tier:
         return self.paths[0].backend
 
     def _reserve(self, nbytes: int) -> None:
-        """Claim ``nbytes`` of capacity (given back by :meth:`discard` or a failed write)."""
+        """Claim ``nbytes`` of capacity (given back by :meth:`discard` or a failed write). Space the
+        paths hold for reuse (recycled files) counts in the capacity but never takes it from an
+        object: as much of it as the claim needs is given back."""
         with self._lock:
             if self.capacity is not None and self.used_bytes + nbytes > self.capacity:
                 raise CapacityError(
@@ -272,6 +274,18 @@ class Tier:
                     f"{nbytes} more needed"
                 )
             self.used_bytes += nbytes
+            over = None if self.capacity is None else self.used_bytes - self.capacity
+        if over is None:
+            return
+        over += self.spare_bytes()
+        for path in self.paths:
+            if over <= 0:
+                break
+            over -= path.backend.release_spares(over)
+
+    def spare_bytes(self) -> int:
+        """Space the paths hold for reuse beyond the tier's objects (recycled files)."""
+        return sum(path.backend.spare_bytes() for path in self.paths)
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
@@ -498,6 +512,7 @@ class Tier:
             "placement": self.placement,
             "stripe_by": self.stripe_by,
             "used_bytes": self.used_bytes,
+            "spare_bytes": self.spare_bytes(),
             "bytes_written": self.bytes_written,
             "bytes_read": self.bytes_read,
             "weights": [round(w, 1) for w in self.weights()],
@@ -543,11 +558,9 @@ def _open_path(tier: TierConfig, config: PathConfig, index: int, where: str, pro
         if config.bandwidth is not None:
             bandwidth = Bandwidth(read=float(config.bandwidth.read), write=float(config.bandwidth.write))
         elif tier.probe:
-            identity = json.dumps(config.backend, sort_keys=True, default=str)
-            bandwidth = probes.get(identity)
-            if bandwidth is None:
-                bandwidth = probe(backend)
-                probes.put(identity, bandwidth)
+            bandwidth = _probed_bandwidth(
+                backend, json.dumps(config.backend, sort_keys=True, default=str), probes
+            )
         node_limits: dict[Direction, NodeLimiter] = {}
         if config.node_limit is not None:
             limit = config.node_limit
@@ -567,3 +580,19 @@ def _open_path(tier: TierConfig, config: PathConfig, index: int, where: str, pro
     except BaseException:
         backend.close()
         raise
+
+
+def _probed_bandwidth(backend: Backend, identity: str, probes: ProbeCache) -> Bandwidth | None:
+    """The path's bandwidth from the probe cache, else probed now; None for a path too full to
+    probe (it stays readable, and is measured online once it moves data)."""
+    probed = probes.get(identity)
+    if probed is None:
+        try:
+            probed = probe(backend)
+        except BackendIOError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            _log.warning("%r is full: its bandwidth is not probed (%s)", backend, error)
+            return None
+        probes.put(identity, probed)
+    return probed.bandwidth

@@ -245,6 +245,7 @@ class TierStoreSwapper:
             prefetch_depth=section.prefetch_depth,
             cache_policy=section.cache_policy,
             reserved_bytes=FP32 * largest_numel,
+            owner=type(self).__name__,
         )
         self.gradient = aligned_tensor(largest_numel)
         """The one fp32 gradient buffer sub-groups are converted into during the update."""
