@@ -1,6 +1,10 @@
+import resource
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from tierstore import AlignedBuffer, BufferPool, CapacityError
 from tierstore.buffers import ALIGNMENT, HUGE_MAP_BYTES, HUGE_PAGE, buffer_address, round_up
@@ -128,3 +132,68 @@ def test_large_buffers_are_private_memory_aligned_to_huge_pages() -> None:
         assert "/dev/zero" not in mapping["header"] and " rw-p " in mapping["header"], mapping["header"]
     small = AlignedBuffer(HUGE_PAGE)
     assert " rw-p " in _mapping_of(buffer_address(small.memoryview(1)))["header"]
+
+
+def test_a_lease_comes_back_when_the_last_tensor_over_it_is_gone() -> None:
+    returned: list[bool] = []
+    pool = BufferPool(1 << 20, pin=False)
+    lease = pool.try_lease(10_000, lambda: returned.append(True))
+    assert lease is not None and lease.tensor.numel() == 10_000
+    lease.io.fill_(3)  # the same bytes
+    assert int(lease.tensor[9_999]) == 3
+    view = torch.empty(0, dtype=torch.float32).set_(lease.tensor.untyped_storage(), 10, (100,), (1,))
+    io = lease.io
+    del lease
+    assert pool.in_use_bytes == round_up(10_000) and not returned  # a view still holds it
+    del view
+    assert pool.in_use_bytes == 0 and returned == [True]  # the io tensor does not hold it
+    assert int(io[0]) == 3
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of ``[address, address + nbytes)`` the kernel has in memory (/proc/self/pagemap)."""
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // ALIGNMENT * 8)
+        entries = np.frombuffer(pagemap.read(nbytes // ALIGNMENT * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * ALIGNMENT
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
+@pytest.mark.parametrize("capacity", [24 << 20, 96 << 20], ids=["small-pages", "huge-pages"])
+def test_a_resident_pool_reuses_its_pages_for_every_size_and_holds_no_more_than_its_capacity(
+    capacity: int,
+) -> None:
+    """Buffers of changing sizes, as saved activations come, the same sequence every step: after
+    the first step every buffer lands on pages touched before (no page faults), and the pool's map
+    never has more in memory than the capacity (as the kernel reports it, not by the pool's own
+    count)."""
+    pool = BufferPool(capacity, pin=False, resident=True)
+    first = pool.try_lease(1)
+    assert first is not None
+    base = buffer_address(first.io.numpy().data)  # the first buffer starts the map
+    del first
+    generator = torch.Generator().manual_seed(0)
+    choices = [capacity // 3, capacity // 8, capacity // 5, 1 << 20, capacity // 4, 300_000]
+    sizes = [choices[index] for index in torch.randint(0, len(choices), (30,), generator=generator)]
+
+    def one_round() -> None:
+        held: list[Any] = []
+        for size in sizes:
+            lease = pool.try_lease(size)
+            while lease is None:  # full: let the oldest go, as writes finishing would
+                held.pop(0)
+                lease = pool.try_lease(size)
+            lease.tensor.fill_(1)  # touch every page
+            held.append(lease.tensor)
+            assert _resident_bytes(base, pool.arena_bytes) <= pool.capacity
+
+    one_round()
+    faults = _minor_faults()
+    one_round()
+    one_round()
+    assert _minor_faults() - faults < 200  # a few for Python's own objects, none per page
+    assert pool.allocated_bytes <= pool.capacity <= capacity

@@ -281,6 +281,8 @@ def plan_spill(
     late, used early: the last layers, whose write and read can hardly hide behind compute) as long
     as each one lowers the replayed step time and the resident peak stays within ``budget``.
     """
+    if not tensors:  # nothing to spill is a plan too, and needs no bandwidth to make
+        return SpillPlan([], frozenset(), [], compute_seconds, compute_seconds, 0.0, 0.0, 0, compute_seconds)
     spill = set(range(len(tensors)))
     spill_all = replay_spill(paths, budget, tensors, spill, compute_seconds)
     best = spill_all
