@@ -341,7 +341,8 @@ class ActivationOffload:
         """Wait for every write, read and deletion this offloader has started."""
         with self._cond:
             self._cond.wait_for(lambda: self._writes_in_flight == 0 and self._reads_in_flight == 0)
-        self._background.submit(lambda: None).result()
+        with contextlib.suppress(RuntimeError):  # the interpreter is exiting: the thread drains itself
+            self._background.submit(lambda: None).result()
 
     def reset(self) -> None:
         """Let go of every saved tensor of earlier steps now: objects deleted, memory freed.

@@ -411,13 +411,16 @@ def test_ctrl_c_exits_130_with_one_line(command: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
     arguments = {
         "train": ["train", "--dir", str(data), "--steps", "10000", *TINY_TRAIN],
-        "spill": ["spill", "--dir", str(data), "--total", "64GiB", "--object", "1MiB", "--budget", "0"],
+        "spill": ["spill", "--dir", str(data), "--total", "4GiB", "--object", "1MiB", "--budget", "0"],
     }[command]
     child = subprocess.Popen(
         [sys.executable, "-m", "tierstore.cli", *arguments],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A test run started in the background by a non-interactive shell ignores SIGINT, and a child
+        # inherits that: Ctrl-C's handler must be the default one, as in a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
