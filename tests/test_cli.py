@@ -413,14 +413,17 @@ def test_ctrl_c_exits_130_with_one_line(command: str, tmp_path: Path) -> None:
         "train": ["train", "--dir", str(data), "--steps", "10000", *TINY_TRAIN],
         "spill": ["spill", "--dir", str(data), "--total", "4GiB", "--object", "1MiB", "--budget", "0"],
     }[command]
+    # A test run started in the background by a non-interactive shell ignores SIGINT, and a child
+    # inherits that: Ctrl-C's handler must be Python's own, as in a terminal.
+    launcher = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'tierstore'; runpy.run_module('tierstore.cli', run_name='__main__')"
+    )
     child = subprocess.Popen(
-        [sys.executable, "-m", "tierstore.cli", *arguments],
+        [sys.executable, "-c", launcher, *arguments],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # A test run started in the background by a non-interactive shell ignores SIGINT, and a child
-        # inherits that: Ctrl-C's handler must be the default one, as in a terminal.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
