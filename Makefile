@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench showcase clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,22 +42,31 @@ lint: $(VENV)/.test
 	rm -rf $(TYPED_TREE) && mkdir -p $(TYPED_TREE)/tierstore
 	ln -s $(CURDIR)/tierstore/* $(TYPED_TREE)/tierstore/
 	ln -s $(CURDIR)/tests $(CURDIR)/benchmarks $(TYPED_TREE)/
-	for package in backends optimizer activations integrations; do \
+	for package in backends optimizer activations checkpoint integrations; do \
 		ln -s $(CURDIR)/$$package $(TYPED_TREE)/tierstore/$$package; done
 	cd $(TYPED_TREE) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml tierstore tests benchmarks
 
 # Benchmarks need fio, and DeepSpeed's baseline libaio-dev (Debian packages); run as root so they
 # can be installed and caches dropped. Never part of `make test`.
-bench: $(VENV)/.test
+$(VENV)/.bench: $(VENV)/.test
 	command -v fio >/dev/null && dpkg -s libaio-dev >/dev/null 2>&1 || \
 		(apt-get update && apt-get install -y fio libaio-dev)
 	$(BIN)/pip install py-spy
+	touch $@
+
+bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
 	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
 	$(BIN)/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json
 	$(BIN)/python benchmarks/bench_optimizer.py --repeats 5 --profile --output benchmarks/results/optimizer.json
 	$(BIN)/python benchmarks/predict_mlp_offload.py --output benchmarks/results/mlp_offload_prediction.json
 	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
+
+# A ~1B-parameter Llama trained by Trainer beyond this machine's memory: tierstore beside DeepSpeed
+# (about an hour; needs ~50 GB free on the disk under test).
+showcase: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 \
+		--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json
 
 clean:
 	rm -rf $(VENV) *.egg-info tierstore-data bench-data $(TYPED_TREE)

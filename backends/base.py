@@ -238,6 +238,21 @@ class Backend(ABC):
         self._check_open()
         return sorted(self._list())
 
+    def copy_from(self, name: str, source: Backend, source_name: str) -> bool:
+        """Make object ``name`` (replaced if it exists) a copy of ``source``'s object
+        ``source_name`` without the bytes passing through this process, and return True; or do
+        nothing and return False where these two backends cannot (the caller then copies through
+        memory). Blocks until done. Raises :class:`~tierstore.errors.KeyNotFoundError` if the
+        source object is absent (where the copy is possible at all).
+
+        For moving data that already sits on one tier to another (a checkpoint drained to the
+        persistent tier) without reading it into memory and writing it out again."""
+        self._check_open()
+        source._check_open()
+        check_name(name)
+        check_name(source_name)
+        return self._copy_from(name, source, source_name)
+
     # -- space held for reuse ---------------------------------------------------------------------
     def spare_bytes(self) -> int:
         """Space the backend holds beyond its objects for reuse (nvme's recycled files), which a
@@ -305,6 +320,11 @@ class Backend(ABC):
 
     @abstractmethod
     def _list(self) -> builtins.list[str]: ...
+
+    def _copy_from(self, name: str, source: Backend, source_name: str) -> bool:
+        """Backends that can copy without this process's memory override this (see
+        :meth:`copy_from`); by default they cannot."""
+        return False
 
     def _close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release resources; called once. Backends without resources keep this default."""

@@ -22,7 +22,12 @@ with a ``capacity`` counts them in it, giving back as many as its objects need
 ``<path>/.spares-<id>/``, private to this backend instance (another store on the same directory
 has its own), and are removed at ``close()``; after a crash, by the next backend opened on the
 directory (:mod:`tierstore.backends.private`), which also removes the ``.spare-N`` files that
-earlier versions kept in the directory itself.
+earlier versions kept in the directory itself. A file with another name linked to it
+(:meth:`~NvmeBackend.copy_from`) is never recycled: its blocks are that other object's too.
+
+**Copies** between two nvme backends (:meth:`~NvmeBackend.copy_from`) hard-link the file where
+both directories are on one file system (no byte moves), and otherwise copy it inside the kernel
+(``sendfile``), never through the process's memory.
 
 **Scratch stores** (:meth:`~NvmeBackend.claim_scratch`) keep their objects in
 ``<path>/.scratch-<id>/``, removed the same way.
@@ -46,6 +51,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import warnings
@@ -60,7 +66,7 @@ from pydantic import ByteSize, Field
 from .._futures import when_all
 from ..buffers import ALIGNMENT, AlignedBuffer, buffer_address, round_up
 from ..errors import BackendIOError, ConfigError, KeyNotFoundError, UnwritablePathError
-from .base import BackendOptions, Capabilities, DirectoryBackend, DirectoryOptions, PageMultiple
+from .base import Backend, BackendOptions, Capabilities, DirectoryBackend, DirectoryOptions, PageMultiple
 from .private import PrivateDirectory
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -346,7 +352,11 @@ class NvmeBackend(DirectoryBackend):
             if not (self.direct and self.options.recycle):
                 os.unlink(path)
                 return
-            size = os.stat(path).st_size
+            status = os.stat(path)
+            if status.st_nlink > 1:  # linked under another name: its blocks are not ours to reuse
+                os.unlink(path)
+                return
+            size = status.st_size
             with self._spare_lock:
                 if self._spare_directory is None:
                     self._spare_directory = PrivateDirectory(self.root, "spares")
@@ -360,6 +370,40 @@ class NvmeBackend(DirectoryBackend):
                 evicted.unlink(missing_ok=True)
         except FileNotFoundError:
             raise KeyNotFoundError(f"nvme: no object {name!r} in {self.root}") from None
+
+    def _copy_from(self, name: str, source: Backend, source_name: str) -> bool:
+        """A hard link where both directories are on one file system, else a copy by ``sendfile``
+        (``shutil.copyfile``) into a new owner-only file; only from another nvme backend, whose
+        objects are plain files too."""
+        if not isinstance(source, NvmeBackend):
+            return False
+        origin, target = source.root / source_name, self.root / name
+        if not origin.is_file():
+            raise KeyNotFoundError(f"nvme: no object {source_name!r} in {source.root}")
+        target.unlink(missing_ok=True)
+        try:
+            os.link(origin, target)
+            return True
+        except FileNotFoundError:
+            raise KeyNotFoundError(f"nvme: no object {source_name!r} in {source.root}") from None
+        except OSError as error:
+            if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+                raise _io_error(error, f"linking {origin} as {target}") from error
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # owner-only first
+            shutil.copyfile(origin, target)
+            if self.options.sync:
+                fd = os.open(target, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as error:
+            target.unlink(missing_ok=True)
+            if isinstance(error, FileNotFoundError):
+                raise KeyNotFoundError(f"nvme: no object {source_name!r} in {source.root}") from None
+            raise _io_error(error, f"copying {origin} to {target}") from error
+        return True
 
     def _exists(self, name: str) -> bool:
         return (self.root / name).is_file()

@@ -42,8 +42,12 @@ class SubGroupStager:
     """Reads, holds and writes back fp32 sub-group states of at most ``slot_elements`` each.
 
     A pass is ``begin_pass(order)``, then ``acquire``/``release`` per sub-group in that order, then
-    ``end_pass()``. ``acquire`` and ``release`` also work outside a pass (one blocking read, one
-    write-back), which is what initialisation and checkpoint restore need.
+    ``end_pass()``. ``begin_pass`` may come early (reads start as soon as staging buffers are
+    free: an update's first sub-groups can arrive while backward runs), and ``end_pass`` leaves
+    the last write-backs running (they finish while the next forward runs; their buffers come
+    back when needed, and :meth:`flush`, :meth:`wait_writes` and :meth:`close` wait for them).
+    ``acquire`` and ``release`` also work outside a pass (one blocking read, one write-back),
+    which is what initialisation and checkpoint restore need.
 
     The sub-groups are the store objects ``"<namespace>/<name>"``: the stager claims ``namespace``
     on the store for ``owner`` (:attr:`TierStore.namespaces`), so a second stager, optimizer or
@@ -113,6 +117,8 @@ class SubGroupStager:
         self._writes: deque[tuple[Future[None], torch.Tensor]] = deque()
         self._upcoming: deque[Hashable] = deque()
         self._keep: set[Hashable] = set()
+        self._pass: list[Hashable] | None = None
+        """The order of the pass begun and not yet ended."""
 
     @property
     def kept_bytes(self) -> int:
@@ -122,7 +128,13 @@ class SubGroupStager:
     # -- a pass ---------------------------------------------------------------------------------
     def begin_pass(self, order: Sequence[Hashable], sizes: Mapping[Hashable, int]) -> None:
         """Start a pass over ``order`` (sub-group -> elements in ``sizes``): plan what stays in DRAM
-        at its end and start reading ahead."""
+        at its end and start reading ahead. Beginning the pass already begun, in the same order,
+        changes nothing (a pass begun early, then by the update itself)."""
+        if self._pass is not None:
+            if self._pass == list(order):
+                return
+            self.end_pass()
+        self._pass = list(order)
         self._sizes.update(sizes)
         self._keep = self._plan_keep(list(order))
         self._upcoming = deque(name for name in order if name not in self.resident)
@@ -179,14 +191,16 @@ class SubGroupStager:
         self._read_ahead()
 
     def end_pass(self) -> None:
-        """Wait for the pass's writes; drop reads started for sub-groups that were never acquired."""
+        """End the pass: drop reads started for sub-groups that were never acquired; the last
+        write-backs go on (see the class docstring)."""
+        self._pass = None
         self._upcoming.clear()
         self._keep = set()
         for buffer, future in self._reads.values():
             future.exception()
             self._give_back(buffer)
         self._reads.clear()
-        self.wait_writes()
+        self._reclaim(block=False)
 
     # -- outside a pass ---------------------------------------------------------------------------
     def write(self, name: Hashable, elements: int, fill: Callable[[torch.Tensor], object]) -> None:
@@ -206,13 +220,20 @@ class SubGroupStager:
         return self.store.get(self.key(name)).result()
 
     def flush(self) -> None:
-        """Write the kept sub-groups to the store too (they stay in DRAM)."""
+        """Write the kept sub-groups to the store too (they stay in DRAM) and wait for every
+        write-back: the store then holds the whole state."""
         futures = [
             self.store.put(self.key(name), buffer[: self._sizes[name]], cache=False)
             for name, buffer in self.resident.items()
         ]
         for future in futures:
             future.result()
+        self.wait_writes()
+
+    def restored(self, name: Hashable, elements: int) -> None:
+        """The store's object for ``name`` was replaced from outside (a checkpoint's state copied
+        back into the store, after :meth:`drop_resident`): it holds ``elements`` values now."""
+        self._sizes[name] = elements
 
     def drop_resident(self) -> None:
         """Forget the DRAM copies (after the store was rewritten behind them)."""
@@ -289,6 +310,7 @@ class SubGroupStager:
         self._writes.append((self.store.put(self.key(name), state, cache=False), buffer))
 
     def _read_ahead(self) -> None:
+        self._reclaim(block=False)
         while self._upcoming and len(self._reads) < self.prefetch_depth:
             name = self._upcoming[0]
             if name in self.resident or name in self._held or name in self._reads:

@@ -1,5 +1,7 @@
 import errno
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,60 @@ def test_deleted_files_are_recycled_for_objects_of_the_same_size(tmp_path: Path)
         backend.read_into("w2", 0, out).result()
         assert bytes(out) == other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v3", "w2"]  # close() removed no object
+
+
+def test_copy_from_links_the_file_on_one_file_system(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 33
+    with (
+        open_backend({"type": "nvme", "path": tmp_path / "a"}) as fast,
+        open_backend({"type": "nvme", "path": tmp_path / "b"}) as slow,
+    ):
+        fast.write("x", 0, data).result()
+        assert slow.copy_from("y", fast, "x")
+        assert os.stat(tmp_path / "b" / "y").st_ino == os.stat(tmp_path / "a" / "x").st_ino
+        assert slow.list() == ["y"] and slow.size("y") == len(data)
+
+
+def test_copy_from_across_file_systems_copies_in_the_kernel(tmp_path: Path) -> None:
+    """/dev/shm (tmpfs) and the test directory are two file systems: no link, a private copy."""
+    shm = Path(tempfile.mkdtemp(prefix="tierstore-copy-", dir="/dev/shm"))
+    data = bytes(reversed(range(256))) * 41
+    try:
+        with (
+            open_backend({"type": "nvme", "path": shm}) as fast,
+            open_backend({"type": "nvme", "path": tmp_path / "b"}) as slow,
+        ):
+            fast.write("x", 0, data).result()
+            assert slow.copy_from("y", fast, "x")
+            copied = tmp_path / "b" / "y"
+            assert copied.read_bytes() == data and copied.stat().st_mode & 0o777 == 0o600
+            assert os.stat(shm / "x").st_nlink == 1
+    finally:
+        shutil.rmtree(shm)
+
+
+def test_copy_from_declines_other_backends(tmp_path: Path) -> None:
+    with open_backend({"type": "nvme", "path": tmp_path}) as disk, open_backend("dram://") as memory:
+        memory.write("x", 0, b"abc").result()
+        assert not disk.copy_from("y", memory, "x")
+        assert disk.list() == []
+
+
+def test_a_linked_file_is_never_recycled(tmp_path: Path) -> None:
+    """The source deletes its name and writes a new object of the same size: recycling the file
+    would overwrite the blocks the linked copy still names."""
+    old, new = bytes(range(256)) * 40, bytes(reversed(range(256))) * 40
+    with (
+        open_backend({"type": "nvme", "path": tmp_path / "a", "recycle": 4}) as fast,
+        open_backend({"type": "nvme", "path": tmp_path / "b"}) as slow,
+    ):
+        fast.write("v1", 0, old).result()
+        assert slow.copy_from("kept", fast, "v1")
+        fast.delete("v1")
+        fast.write("v2", 0, new).result()
+        assert os.stat(tmp_path / "a" / "v2").st_ino != os.stat(tmp_path / "b" / "kept").st_ino
+        assert (tmp_path / "b" / "kept").read_bytes() == old
+        assert fast.spare_bytes() == 0
 
 
 def fill_up(directory: Path) -> None:

@@ -22,10 +22,9 @@ pytest.importorskip("deepspeed")
 import torch
 from tierstore.integrations.deepspeed import check_deepspeed_version, validate_config
 from tierstore.integrations.deepspeed.example import GPT, Linear
-from tierstore.integrations.deepspeed.seams import LEGACY_MANIFEST, SNAPSHOT, migrate_legacy_snapshot
+from tierstore.integrations.deepspeed.seams import CHECKPOINT_INDEX
 
 from tierstore import ConfigError, UnsupportedVersionError
-from tierstore.snapshot import open_snapshot
 
 SMALL = ["--layers", "2", "--width", "256", "--heads", "4", "--vocab", "2048", "--sub-group-size", "1000000"]
 BF16_TOLERANCE = 2e-2  # relative; bf16 keeps 8 bits of mantissa
@@ -217,9 +216,9 @@ def test_checkpoint_resumes_exactly(scratch: Path) -> None:
     )
     assert [row["step"] for row in resumed] == [3, 4, 5]
     assert losses(resumed) == losses(straight)[3:]  # bit for bit: Adam state, steps, masters restored
-    assert not list((scratch / "a").rglob("*.state"))  # the snapshot left the swap folder after the copy
-    assert not list((scratch / "a").rglob(SNAPSHOT))
-    assert len(list((scratch / "ckpt").rglob(SNAPSHOT))) == 1  # one snapshot file in the checkpoint
+    indexes = list((scratch / "ckpt").rglob(CHECKPOINT_INDEX))
+    assert len(indexes) == 1  # one rank's state: its store beside the engine's files
+    assert list((indexes[0].parent / "objects").iterdir())
 
 
 def test_two_ranks_match_one_and_share_the_node_limit(scratch: Path) -> None:
@@ -314,31 +313,3 @@ def test_unsupported_deepspeed_versions_are_refused() -> None:
     for version in ("0.18.4", "0.20.0"):
         with pytest.raises(UnsupportedVersionError, match=f"DeepSpeed {version} is not supported"):
             check_deepspeed_version(version)
-
-
-def test_snapshots_of_the_first_format_are_migrated(tmp_path: Path) -> None:
-    """Checkpoints written before the snapshot module carried the sub-groups (a JSON manifest and
-    one raw file per sub-group) are converted in place into one snapshot file, state unchanged."""
-    states = {"12_13": torch.randn(3 * 5), "14": torch.randn(5)}
-    entries = []
-    for name, state in states.items():
-        state.numpy().tofile(tmp_path / f"{name}.state")
-        names = ["exp_avg", "exp_avg_sq"] if state.numel() == 15 else []
-        scalars = {"step": {"tensor": 3.0, "dtype": "float32"}} if names else {}
-        entries.append(
-            {"name": name, "numel": 5, "states": names, "file": f"{name}.state", "scalars": scalars}
-        )
-    extra = {"loss_scaler": {"cur_scale": 1.0}, "passes": 3, "trained_subgroups": [0]}
-    (tmp_path / LEGACY_MANIFEST).write_text(json.dumps({"format": 1, "subgroups": entries, "extra": extra}))
-    migrate_legacy_snapshot(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [SNAPSHOT]
-    with open_snapshot(tmp_path / SNAPSHOT) as snapshot:
-        assert dict(snapshot.items()).keys() == states.keys()
-        for name, tensor in snapshot.items():
-            assert torch.equal(tensor, states[name]), name
-        assert snapshot.metadata["extra"] == extra
-        assert snapshot.metadata["subgroups"]["12_13"]["scalars"]["step"] == {
-            "tensor": 3.0,
-            "dtype": "float32",
-        }
-        assert snapshot.metadata["subgroups"]["14"]["states"] == []

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tierstore.backends import open_backend
 from tierstore.backends.dram import DramBackend, DramOptions
 
 from tierstore import (
@@ -517,3 +518,53 @@ def test_concurrent_puts_get_distinct_backend_names() -> None:
             list(pool.map(put_many, range(8)))
         names = {store.info(key).name for key in store}
         assert len(store) == len(names) == 1600
+
+
+@pytest.mark.parametrize("cache_budget", [0, 1 << 20], ids=["on the tier", "dirty in the cache"])
+def test_copy_to_commits_every_key_in_the_destination(
+    make_store: StoreFactory, tmp_path: Path, cache_budget: int
+) -> None:
+    """Objects on a tier, small ones in a pack and dirty cached ones all arrive in a persistent
+    destination, which reopens with them after the source is gone."""
+    source = make_store(cache_budget=cache_budget, pack_below=1 << 10)
+    tensors = {f"k{i}": torch.arange(1000 * (i + 1), dtype=torch.float32) for i in range(3)}
+    tensors["small"] = torch.arange(10)
+    for key, tensor in tensors.items():
+        source.put(key, tensor).result()
+    if cache_budget == 0:
+        source.flush()
+
+    def open_destination() -> TierStore:
+        tier = Tier("copy", open_backend(f"nvme://{tmp_path / 'destination'}"))
+        return TierStore([tier], cache_budget=0, manifest=tmp_path / "manifest")
+
+    with open_destination() as destination:
+        source.copy_to(destination)
+        assert destination.keys() == list(tensors)
+    source.close()
+    with open_destination() as destination:
+        for key, tensor in tensors.items():
+            assert torch.equal(destination[key], tensor), key
+
+
+def test_copy_to_links_files_and_a_linked_file_is_never_recycled(tmp_path: Path) -> None:
+    """Between nvme tiers on one file system the copy is a hard link: the destination's file is
+    the source's (no byte moved). The source then deleting its version must not hand those
+    blocks to a new object (recycling would overwrite the destination's copy)."""
+
+    def store(name: str) -> TierStore:
+        return TierStore([Tier(name, open_backend(f"nvme://{tmp_path / name}"))], cache_budget=0)
+
+    source, destination = store("source"), store("destination")
+    source.put("state", torch.full((1 << 18,), 1.0)).result()
+    source.copy_to(destination, ["state"])
+    (linked,) = [
+        p for p in (tmp_path / "destination").rglob("*") if p.is_file() and p.stat().st_size == 1 << 20
+    ]
+    assert linked.stat().st_nlink == 2
+    source.put("state", torch.full((1 << 18,), 2.0)).result()  # new version: the old one deleted
+    source.put("other", torch.full((1 << 18,), 3.0)).result()  # same size: would take a recycled file
+    assert torch.equal(destination["state"], torch.full((1 << 18,), 1.0))
+    assert linked.stat().st_nlink == 1
+    source.close()
+    destination.close()

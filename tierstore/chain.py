@@ -26,6 +26,7 @@ from .errors import (
     CapacityError,
     ChecksumError,
     ConfigError,
+    KeyNotFoundError,
     MissingDataError,
     OutOfRangeError,
 )
@@ -53,9 +54,13 @@ class TierChain:
         self._reads = itertools.count()
 
     # -- writes -----------------------------------------------------------------------------------
+    def new_name(self) -> str:
+        """A backend object name no version of this store has used."""
+        return f"{self.token}-{next(self._serials):x}"
+
     def write(self, data: memoryview, priority: Priority) -> Future[Placement]:
         """Write a new object version to the first tier with room, failing over on I/O errors."""
-        name = f"{self.token}-{next(self._serials):x}"
+        name = self.new_name()
         untried = 0
         io_error: BaseException | None = None
 
@@ -117,6 +122,42 @@ class TierChain:
             raise MissingDataError(errno.ENOENT, f"key {key!r}: {error.strerror}") from None
         except OutOfRangeError as error:  # the file is shorter than the object it should hold
             raise BackendIOError(errno.EIO, f"key {key!r}: stored object is truncated ({error})") from None
+
+    def copy_in(self, source: Placement) -> Placement | None:
+        """``source`` (another store's version) as a new object on this chain's first tier,
+        copied path by path without passing through this process (:meth:`Backend.copy_from`: a
+        hard link, a kernel copy), keeping its extents and checksums; None, leaving nothing
+        behind, where that is not possible (a packed object, a tier with fewer paths, backends
+        that cannot)."""
+        tier = self.tiers[0]
+        paths = sorted({extent.path for extent in source.extents})
+        if source.pack_offset is not None or paths[-1] >= len(tier.paths):
+            return None
+        name = self.new_name()
+        copied: list[int] = []
+        try:
+            for index in paths:
+                if not tier.paths[index].backend.copy_from(
+                    name, source.tier.paths[index].backend, source.name
+                ):
+                    break
+                copied.append(index)
+            else:
+                described = [
+                    {**extent, "path": tier.paths[original.path].name}
+                    for extent, original in zip(source.describe(), source.extents, strict=True)
+                ]
+                return tier.placement_from(name, source.nbytes, described)
+        except BaseException:
+            self._delete_copies(name, copied)
+            raise
+        self._delete_copies(name, copied)
+        return None
+
+    def _delete_copies(self, name: str, paths: Iterable[int]) -> None:
+        for index in paths:
+            with contextlib.suppress(KeyNotFoundError, BackendIOError):
+                self.tiers[0].paths[index].backend.delete(name)
 
     # -- garbage ----------------------------------------------------------------------------------
     def discard(self, placements: Iterable[Placement | None]) -> None:

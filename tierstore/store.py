@@ -259,6 +259,41 @@ class TierStore:
         self._check_open()
         self._cache.flush()
 
+    def copy_to(self, destination: TierStore, keys: Iterable[str] | None = None) -> None:
+        """Put ``keys`` (default: every committed key) into ``destination`` under the same keys,
+        each committed there as an object of its own (journaled, in a persistent destination).
+
+        Where a version sits on a tier and ``destination``'s first tier has the paths its extents
+        use, on backends that can copy without this process (:meth:`Backend.copy_from`: a hard
+        link on one file system, a kernel copy across two), no byte passes through memory and
+        the checksums are carried over: an optimizer's state checkpointed into a store in the
+        checkpoint's folder, and back at resume, in the time of a few metadata operations.
+        Otherwise the object is read and put, one at a time. Blocks until every key is
+        committed; a failure leaves the keys done so far committed and raises."""
+        self._check_open()
+        destination._check_open()
+        if isinstance(keys, str):  # a str is one key per character
+            raise InvalidKeyError(f"copy_to takes an iterable of keys, not {keys!r}: use [key]")
+        for key in self.keys() if keys is None else list(keys):
+            self._check_known(key)
+            check_key(key)
+            self._serial.submit(key, self._copy_to, key, destination).result()
+
+    def _copy_to(self, key: str, destination: TierStore) -> None:
+        with self._lock:
+            record = self._catalog.record(key)
+            entry = self._cache.lookup(key)
+        persisted = record.persisted if entry is None or not entry.dirty else None
+        placement = None if persisted is None else destination._chain.copy_in(persisted)
+        if placement is None:
+            destination.put(key, self._get(key, None, False), cache=False).result()
+            return
+        copy = Record(record.shape, record.dtype, record.nbytes, persisted=placement)
+        destination._serial.submit(key, destination._commit_copy, key, copy).result()
+
+    def _commit_copy(self, key: str, record: Record) -> None:
+        self._catalog.commit(key, record, lambda: self._cache.drop(key))
+
     def contains(self, key: str) -> bool:
         """Whether ``key`` is committed (its put's future has resolved)."""
         self._check_open()

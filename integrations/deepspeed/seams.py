@@ -19,15 +19,18 @@ Nothing here edits DeepSpeed; each seam is an override or a scoped substitution,
 6. ``engine.forward``: with ``tierstore.activations`` in the section, :func:`offload_activations`
    wraps the engine's forward (an instance attribute over the method) in an
    :class:`~tierstore.activations.ActivationOffload` on the swapper's store.
-7. Checkpoints: the engine copies ``swapper.swap_folder`` into ``<tag>/offloaded_tensors/rankNN``
-   on save and back on load, then calls ``reset_swap_buffers``. ``_rigid_state_dict`` (save)
-   exports a snapshot there (one :mod:`tierstore.snapshot` file: state objects, Adam step counts,
-   loss scaler); ``reset_swap_buffers`` (load) restores it, or imports a checkpoint of DeepSpeed's
-   own NVMe offload (its ZeRO checkpoint file and swap files); ``checkpoint_event_epilogue``
-   removes them again.
+7. Checkpoints: ``_rigid_state_dict`` (save) copies every sub-group's state object into a
+   persistent store of the checkpoint's own, ``<tag>/tierstore/rank<NN>/`` beside the engine's
+   files (:meth:`TierStore.copy_to`: hard links where the store and the checkpoint share a file
+   system, so no byte moves and the save takes a few metadata operations), then writes its index
+   (Adam step counts, loss scaler), the checkpoint's commit. ``reset_swap_buffers`` (load) copies
+   them back the same way, or imports a checkpoint of DeepSpeed's own NVMe offload (its ZeRO
+   checkpoint file and the swap files the engine copied into ``swap_folder``), which
+   ``checkpoint_event_epilogue`` removes again.
 8. ``engine.save_checkpoint``/``load_checkpoint``: :func:`tierstore_checkpoints` wraps them (instance
-   attributes) so that stock DeepSpeed refuses a tierstore checkpoint loudly instead of silently
-   restarting from fresh optimizer state, and so that an import finds DeepSpeed's ZeRO file.
+   attributes) to tell the optimizer the checkpoint's folder, so that stock DeepSpeed refuses a
+   tierstore checkpoint loudly instead of silently restarting from fresh optimizer state, and so
+   that an import finds DeepSpeed's ZeRO file.
 
 Parameters without a gradient on a step (a module unused on that step), as stock DeepSpeed 0.19.8
 ZeRO-3 with its optimizer on NVMe does it (checked by running it; the integration's tests compare):
@@ -69,26 +72,29 @@ from typing import Any
 import deepspeed.runtime.zero.stage3 as stage3
 import torch
 from deepspeed import comm as dist
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from pydantic import ByteSize
 from tierstore.activations import ActivationOffload
 from tierstore.optimizer.staging import FP32, SubGroupStager
 
 from tierstore.buffers import aligned_tensor
+from tierstore.config import CacheConfig, StoreConfig, TierConfig
 from tierstore.dtypes import dtype_from_name, dtype_name
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError, UnsupportedVersionError
-from tierstore.snapshot import open_snapshot, write_snapshot
 from tierstore.store import TierStore
 
 from .config import SECTION, ActivationsSection, TierstoreSection, parse_section
 
 _BaseOptimizer: Any = stage3.DeepSpeedZeroOptimizer_Stage3
 MAX_STATE_TENSORS = 2  # Adam/AdamW: exp_avg, exp_avg_sq
-SNAPSHOT = "tierstore-snapshot.h5"
-"""The sub-groups' state in a checkpoint (:func:`tierstore.snapshot.write_snapshot`'s format)."""
-SNAPSHOT_FORMAT = 2  # 1: a JSON manifest and one raw file per sub-group (migrated on load)
-LEGACY_MANIFEST = "tierstore-snapshot.json"
+CHECKPOINT_FORMAT = 3
+CHECKPOINT_INDEX = "tierstore-checkpoint.json"
+"""A checkpoint's index, written last: its format, each sub-group's size, state tensors and
+scalars, and the optimizer's own counters."""
 _RELIED_ON = (
     "_configure_tensor_swapping",
+    "backward_prologue",
     "_offload_grad_partition_at_boundary",
     "_optimizer_states_and_gradient_swap_in",
     "_rigid_state_dict",
@@ -170,8 +176,13 @@ def tierstore_checkpoints(engine: Any) -> None:
     def save_checkpoint(
         save_dir: str, tag: Any = None, client_state: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
+        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)  # as DeepSpeed names it
         client_state = {**(client_state or {}), CHECKPOINT_MARK: TierstoreCheckpointMark()}
-        return save(save_dir, tag, client_state, *args, **kwargs)
+        engine.optimizer.tierstore_checkpoint_dir = checkpoint_folder(save_dir, tag)
+        try:
+            return save(save_dir, tag, client_state, *args, **kwargs)
+        finally:
+            engine.optimizer.tierstore_checkpoint_dir = None
 
     @functools.wraps(load)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -181,12 +192,14 @@ def tierstore_checkpoints(engine: Any) -> None:
                 tag = source.read().strip()
         if tag is not None:
             engine.optimizer.tierstore_checkpoint_file = engine._get_zero_ckpt_name(load_dir, tag)
+            engine.optimizer.tierstore_checkpoint_dir = checkpoint_folder(load_dir, str(tag))
         token = _loading_with_tierstore.set(True)
         try:
             return load(load_dir, tag, *args, **kwargs)
         finally:
             _loading_with_tierstore.reset(token)
             engine.optimizer.tierstore_checkpoint_file = None
+            engine.optimizer.tierstore_checkpoint_dir = None
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
@@ -195,16 +208,32 @@ def tierstore_checkpoints(engine: Any) -> None:
 CHECKPOINT_MARK = "tierstore"
 
 
+def checkpoint_folder(directory: str, tag: str) -> Path:
+    """Where this rank's optimizer state goes in the engine's checkpoint ``directory``/``tag``."""
+    return Path(directory) / tag / "tierstore" / f"rank{dist.get_rank():02d}"
+
+
+def checkpoint_store(folder: Path) -> TierStore:
+    """The persistent store of a checkpoint's optimizer state (objects and manifest in ``folder``)."""
+    return TierStore.from_config(
+        StoreConfig(
+            cache=CacheConfig(budget=ByteSize(0)),
+            tiers=[TierConfig(name="checkpoint", backend={"type": "nvme", "path": str(folder / "objects")})],
+            manifest=str(folder / "manifest"),
+        )
+    )
+
+
 class TierstoreCheckpointMark:
     """Pickled into a tierstore checkpoint's model-states file, which every DeepSpeed load reads:
     unpickling it outside a tierstore load fails, so stock DeepSpeed (whose NVMe-offload load
     would ignore tierstore's state and silently go on from its own fresh swap files) stops."""
 
     def __reduce__(self) -> tuple[Any, tuple[int]]:
-        return (_check_tierstore_load, (SNAPSHOT_FORMAT,))
+        return (_check_tierstore_load, (CHECKPOINT_FORMAT,))
 
 
-def _check_tierstore_load(snapshot_format: int) -> dict[str, int]:
+def _check_tierstore_load(checkpoint_format: int) -> dict[str, int]:
     if not _loading_with_tierstore.get():
         raise ConfigError(
             f"{SECTION}: this checkpoint's optimizer state was written by tierstore; load it with a "
@@ -212,7 +241,7 @@ def _check_tierstore_load(snapshot_format: int) -> dict[str, int]:
             "(TIERSTORE_DEEPSPEED=1 or tierstore.integrations.deepspeed.enable()): stock DeepSpeed "
             "would restart from its own initial optimizer state"
         )
-    return {"snapshot_format": snapshot_format}
+    return {"checkpoint_format": checkpoint_format}
 
 
 class TierStoreSwapper:
@@ -291,6 +320,22 @@ class TierStoreSwapper:
             else:
                 entry[key] = view
 
+    def create_adam_state(self, parameter: torch.Tensor) -> None:
+        """Before a sub-group's first update: its Adam moments, zeros in the staging buffer beside
+        its master weights, and its step count at 0, as ``DeepSpeedCPUAdam`` initialises them;
+        it then uses these instead of allocating two more tensors of the sub-group's size."""
+        entry = self.optimizer.state[parameter]
+        name = self._name(parameter)
+        if entry or self._state_names[name]:
+            return
+        numel = self._numels[name]
+        state = self.stager.resize(name, 3 * numel)
+        state[numel:].zero_()
+        parameter.data = state[:numel]
+        entry["step"] = 0
+        entry["exp_avg"], entry["exp_avg_sq"] = state[numel : 2 * numel], state[2 * numel :]
+        self._state_names[name] = ("exp_avg", "exp_avg_sq")
+
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
         """Lay the state tensors out in the buffer (copying any the optimizer created anew), then
         keep the sub-group in DRAM or write it back, as the stager's plan says."""
@@ -362,10 +407,14 @@ class TierStoreSwapper:
     def end_pass(self) -> None:
         self.stager.end_pass()
 
-    def export_snapshot(self, extra: dict[str, Any]) -> None:
-        """Write every sub-group's state, the optimizer's per-sub-group scalars (step counts) and
-        ``extra`` into ``swap_folder`` as one snapshot file, for the engine to copy into the
-        checkpoint (its copy takes any files: no raw layout is needed)."""
+    def export_checkpoint(self, folder: Path, extra: dict[str, Any]) -> None:
+        """Copy every sub-group's state into the checkpoint's store in ``folder``
+        (:func:`checkpoint_store`; hard links where they share a file system), then write the
+        index with the optimizer's per-sub-group scalars (step counts) and ``extra``: the commit,
+        so an interrupted save leaves no checkpoint that looks whole."""
+        self.stager.flush()  # the sub-groups kept in DRAM: their current state to the store
+        with checkpoint_store(folder) as saved:
+            self.store.copy_to(saved, [self.stager.key(name) for name in self._parameters])
         subgroups = {
             name: {
                 "numel": self._numels[name],
@@ -374,39 +423,44 @@ class TierStoreSwapper:
             }
             for name, parameter in self._parameters.items()
         }
-        objects = ((name, self.stager.read(name)) for name in self._parameters)
-        write_snapshot(
-            os.path.join(self.swap_folder, SNAPSHOT),
-            objects,
-            {"format": SNAPSHOT_FORMAT, "subgroups": subgroups, "extra": extra},
+        index = folder / CHECKPOINT_INDEX
+        temporary = index.with_name(f".{index.name}.tmp")
+        temporary.write_text(
+            json.dumps({"format": CHECKPOINT_FORMAT, "subgroups": subgroups, "extra": extra})
         )
+        os.replace(temporary, index)
 
-    def restore_snapshot(self) -> dict[str, Any]:
-        """Rewrite the store from the snapshot the engine copied into ``swap_folder``; returns its
-        ``extra``. The model's sub-groups must match the saved ones (same model, sub_group_size and
-        world size). A snapshot in the first format (JSON and raw files) is converted first."""
-        path = os.path.join(self.swap_folder, SNAPSHOT)
-        if not os.path.exists(path):
-            if not os.path.exists(os.path.join(self.swap_folder, LEGACY_MANIFEST)):
-                raise BufferMismatchError(f"{path}: the checkpoint has no tierstore snapshot")
-            migrate_legacy_snapshot(self.swap_folder)
-        with open_snapshot(path) as snapshot:
-            saved = snapshot.metadata["subgroups"]
-            if {name: entry["numel"] for name, entry in saved.items()} != self._numels:
-                raise BufferMismatchError(
-                    "the checkpoint's sub-groups differ from this model's (model, sub_group_size and "
-                    "world size must match the run that saved it)"
-                )
-            self.stager.drop_resident()
-            for name, state in snapshot.items():
-                entry = saved[name]
-                states = tuple(entry["states"])
-                if len(states) > MAX_STATE_TENSORS or state.numel() != (1 + len(states)) * entry["numel"]:
-                    raise BufferMismatchError(f"{path}: sub-group {name} does not hold its {states}")
-                self._restore(name, state, states, _decode_scalars(entry["scalars"], f"{path}: {name}"))
-            self.stager.wait_writes()
-            extra: dict[str, Any] = snapshot.metadata["extra"]
-            return extra
+    def restore_checkpoint(self, folder: Path) -> dict[str, Any]:
+        """Copy the sub-groups' state back from the checkpoint's store in ``folder`` into this
+        store (hard links where they share a file system) and their scalars into the optimizer;
+        returns the index's ``extra``. The model's sub-groups must match the saved ones (same
+        model, sub_group_size and world size)."""
+        index = folder / CHECKPOINT_INDEX
+        try:
+            saved = json.loads(index.read_text())
+        except (OSError, ValueError) as error:
+            raise BufferMismatchError(
+                f"{index}: not a readable tierstore checkpoint index ({error})"
+            ) from None
+        if saved.get("format") != CHECKPOINT_FORMAT:
+            raise BufferMismatchError(f"{index}: format {saved.get('format')!r}, not {CHECKPOINT_FORMAT}")
+        subgroups = saved["subgroups"]
+        if {name: entry["numel"] for name, entry in subgroups.items()} != self._numels:
+            raise BufferMismatchError(
+                f"{folder}: the checkpoint's sub-groups differ from this model's (model, sub_group_size "
+                "and world size must match the run that saved it)"
+            )
+        self.stager.drop_resident()
+        with checkpoint_store(folder) as checkpoint:
+            checkpoint.copy_to(self.store, [self.stager.key(name) for name in subgroups])
+        for name, entry in subgroups.items():
+            states = tuple(entry["states"])
+            if len(states) > MAX_STATE_TENSORS:
+                raise BufferMismatchError(f"{folder}: sub-group {name} keeps {len(states)} state tensors")
+            self.stager.restored(name, (1 + len(states)) * entry["numel"])
+            self._set_state(name, states, _decode_scalars(entry["scalars"], f"{index}: {name}"))
+        extra: dict[str, Any] = saved["extra"]
+        return extra
 
     def import_deepspeed_state(
         self,
@@ -439,14 +493,14 @@ class TierStoreSwapper:
             self._restore(name, state, states, {k: v for k, v in entry.items() if k not in states})
         self.stager.wait_writes()
 
-    def clear_snapshot(self) -> None:
-        """Remove an exported or restored snapshot (or imported DeepSpeed files) from ``swap_folder``."""
+    def clear_imported(self) -> None:
+        """Remove the DeepSpeed swap files an import read from ``swap_folder``."""
         for entry in os.scandir(self.swap_folder):
-            if entry.name in (SNAPSHOT, LEGACY_MANIFEST) or entry.name.endswith((".state", ".tensor.swp")):
+            if entry.name.endswith(".tensor.swp"):
                 os.unlink(entry.path)
 
     def close(self) -> None:
-        """Close the store (its objects are scratch: the checkpoint snapshot is the durable copy)."""
+        """Close the store (its objects are scratch: a checkpoint's store is the durable copy)."""
         self._closer()
 
     # -- internals ------------------------------------------------------------------------------
@@ -457,9 +511,13 @@ class TierStoreSwapper:
     def _restore(
         self, name: str, state: torch.Tensor, states: tuple[str, ...], scalars: dict[str, Any]
     ) -> None:
-        """Write a sub-group's ``[master | states...]`` to the store and its scalars (Adam's step)
-        into the optimizer's state, the tensors to be laid out at the next swap-in."""
+        """Write a sub-group's ``[master | states...]`` to the store, and :meth:`_set_state`."""
         self.stager.write(name, state.numel(), lambda buffer: buffer.copy_(state))
+        self._set_state(name, states, scalars)
+
+    def _set_state(self, name: str, states: tuple[str, ...], scalars: dict[str, Any]) -> None:
+        """A sub-group's state tensor names and its scalars (Adam's step) into the optimizer's
+        state, the tensors to be laid out at the next swap-in."""
         self._state_names[name] = states
         entry = self.optimizer.state[self._parameters[name]]
         for key in states:
@@ -509,36 +567,6 @@ def _read_prefix(file: str, target: torch.Tensor) -> None:
         raise BufferMismatchError(f"{file}: holds {got} bytes, the sub-group needs {target.nbytes}")
 
 
-def migrate_legacy_snapshot(folder: str | os.PathLike[str]) -> Path:
-    """Convert a snapshot of the first format (``tierstore-snapshot.json`` and one raw ``.state``
-    file per sub-group, written before 2026-11-23) into the current one, in place."""
-    manifest_path = os.path.join(folder, LEGACY_MANIFEST)
-    with open(manifest_path) as source:
-        manifest = json.load(source)
-    entries = manifest["subgroups"]
-
-    def objects() -> Iterator[tuple[str, torch.Tensor]]:
-        for entry in entries:
-            file = os.path.join(folder, entry["file"])
-            state = torch.empty((1 + len(entry["states"])) * entry["numel"], dtype=torch.float32)
-            _read_prefix(file, state)
-            if os.path.getsize(file) != state.nbytes:
-                raise BufferMismatchError(f"{file}: size does not match the sub-group's state")
-            yield entry["name"], state
-
-    subgroups = {
-        entry["name"]: {key: entry[key] for key in ("numel", "states", "scalars")} for entry in entries
-    }
-    target = Path(folder) / SNAPSHOT
-    write_snapshot(
-        target, objects(), {"format": SNAPSHOT_FORMAT, "subgroups": subgroups, "extra": manifest["extra"]}
-    )
-    for entry in entries:
-        os.unlink(os.path.join(folder, entry["file"]))
-    os.unlink(manifest_path)
-    return target
-
-
 class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
     """DeepSpeed's ZeRO-3 optimizer with its optimizer-state offload going through tierstore."""
 
@@ -549,7 +577,9 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         self._trained_subgroups: set[int] = set()
         """Sub-groups with a parameter that has had a gradient: the others get no ``.grad``."""
         self.tierstore_checkpoint_file: str | None = None
-        """The ZeRO checkpoint file of the load under way (set by :func:`tierstore_checkpoints`)."""
+        """While the engine loads a checkpoint: its ZeRO checkpoint file (seam 8)."""
+        self.tierstore_checkpoint_dir: Path | None = None
+        """While the engine saves or loads a checkpoint: this rank's folder in it (seam 8)."""
         super().__init__(*args, ds_config=ds_config, **kwargs)
         self._grad_offsets = [0, *itertools.accumulate(self.fp16_partitioned_groups_flat_numel)]
         self._tierstore_ready = True
@@ -586,7 +616,10 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         start, end = self._grad_offsets[sub_group_id], self._grad_offsets[sub_group_id + 1]
         gradient = self.optimizer_swapper.gradient[: end - start]
         gradient.copy_(self.grad_partitions_flat_buffer[start:end])
-        self.fp32_partitioned_groups_flat[sub_group_id].grad = gradient
+        parameter = self.fp32_partitioned_groups_flat[sub_group_id]
+        parameter.grad = gradient
+        if isinstance(self.optimizer, DeepSpeedCPUAdam):
+            self.optimizer_swapper.create_adam_state(parameter)
 
     def unscale_and_clip_grads(self, sub_group_id: int, total_norm: Any) -> None:
         """Stock fails on a sub-group without ``.grad``; there is nothing to scale."""
@@ -609,11 +642,8 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
         timer_names = {stage3.OPTIMIZER_STEP_TIMER}
         self.timers(stage3.OPTIMIZER_STEP_TIMER).start()
+        order = self._begin_pass()
         self._tierstore_passes += 1
-        order = list(range(len(self.fp16_groups)))
-        if self.tierstore_section.order == "alternate" and self._tierstore_passes % 2 == 0:
-            order.reverse()
-        self.optimizer_swapper.begin_pass([self.fp32_partitioned_groups_flat[i] for i in order])
         try:
             for sub_group_id in order:
                 self._prepare_sub_group(sub_group_id, timer_names)
@@ -626,48 +656,88 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
         self.timers(stage3.OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)
 
-    # seam 6
+    def backward_prologue(self) -> None:
+        """Before backward: the next update's pass begins, so its first sub-groups are read while
+        backward runs (the staging ring is free then)."""
+        super().backward_prologue()
+        if self._tierstore_ready:
+            self._begin_pass()
+
+    def _begin_pass(self) -> list[int]:
+        """Begin (or confirm) the next update's pass over the sub-groups; its order: forward, and
+        every second update in reverse (cache-friendly) unless the section says otherwise."""
+        order = list(range(len(self.fp16_groups)))
+        if self.tierstore_section.order == "alternate" and (self._tierstore_passes + 1) % 2 == 0:
+            order.reverse()
+        self.optimizer_swapper.begin_pass([self.fp32_partitioned_groups_flat[i] for i in order])
+        return order
+
+    # seam 7
     def _rigid_state_dict(self) -> dict[str, Any]:
+        if self.tierstore_checkpoint_dir is None:
+            raise ConfigError(
+                f"{SECTION}: the optimizer state lives in tierstore and is saved by the engine's "
+                "save_checkpoint (which tells it where); its state_dict() cannot hold it"
+            )
         state: dict[str, Any] = super()._rigid_state_dict()
         scaler = {k: v for k, v in vars(self.loss_scaler).items() if isinstance(v, (bool, int, float))}
-        self.optimizer_swapper.export_snapshot(
+        self.optimizer_swapper.export_checkpoint(
+            self.tierstore_checkpoint_dir,
             {
                 "loss_scaler": scaler,
                 "passes": self._tierstore_passes,
                 "trained_subgroups": sorted(self._trained_subgroups),
-            }
+            },
         )
         return state
 
     def reset_swap_buffers(self) -> None:
-        """The engine has copied the checkpoint's offloaded tensors into ``swap_folder``: tierstore's
-        snapshot, or DeepSpeed's own swap files (a checkpoint from before tierstore was enabled).
-        The optimizer's hyperparameters (the learning rate a scheduler set...) come from the ZeRO
-        checkpoint file, which DeepSpeed's NVMe-offload load skips."""
-        folder = self.optimizer_swapper.swap_folder
+        """The engine is loading a checkpoint: tierstore's (copied back from its store), or
+        DeepSpeed's own (its swap files the engine copied into ``swap_folder``: a checkpoint from
+        before tierstore was enabled). The optimizer's hyperparameters (the learning rate a
+        scheduler set...) come from the ZeRO checkpoint file, which DeepSpeed's NVMe-offload load
+        skips."""
         saved = None
         if self.tierstore_checkpoint_file is not None:
             zero = torch.load(self.tierstore_checkpoint_file, map_location="cpu", weights_only=False)
             saved = zero["optimizer_state_dict"]
-        if os.path.exists(os.path.join(folder, SNAPSHOT)) or os.path.exists(
-            os.path.join(folder, LEGACY_MANIFEST)
-        ):
-            extra = self.optimizer_swapper.restore_snapshot()
+        folder = self.tierstore_checkpoint_dir
+        if folder is not None and (folder / CHECKPOINT_INDEX).exists():
+            extra = self.optimizer_swapper.restore_checkpoint(folder)
             for key, value in extra["loss_scaler"].items():
                 setattr(self.loss_scaler, key, value)
             self._tierstore_passes = int(extra["passes"])
-            # snapshots from before this was recorded: every sub-group counted as trained
-            self._trained_subgroups = set(extra.get("trained_subgroups", range(len(self.fp16_groups))))
+            self._trained_subgroups = set(extra["trained_subgroups"])
         elif saved is not None:
             self._import_deepspeed_state(saved)
         else:
-            raise BufferMismatchError(f"{folder}: the checkpoint has no tierstore snapshot")
+            raise BufferMismatchError(f"{folder}: the checkpoint holds no tierstore optimizer state")
         if saved is not None:
             for group, saved_group in zip(
                 self.optimizer.param_groups, saved["optimizer_state_dict"]["param_groups"], strict=True
             ):
                 group.update({key: value for key, value in saved_group.items() if key != "params"})
+        self._replay_adam_steps()
         super().reset_swap_buffers()  # fp32 masters -> the model's low-precision partitions
+
+    def _replay_adam_steps(self) -> None:
+        """``DeepSpeedCPUAdam``'s kernel keeps beta1**step and beta2**step (its bias corrections)
+        as running products, one multiplication per step, and computes them with ``pow`` after a
+        jump, as the first update after a load would: the two differ in the last bits, and the
+        resumed run would drift from the uninterrupted one. Replaying steps 1..N on a one-element
+        tensor rebuilds the same products (N: the restored step count, the same for every
+        sub-group that has had a gradient)."""
+        if not isinstance(self.optimizer, DeepSpeedCPUAdam):
+            return
+        steps = max((int(entry.get("step", 0)) for entry in self.optimizer.state.values()), default=0)
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = group["betas"]
+        scratch = [torch.zeros(1) for _ in range(4)]  # weight, gradient, exp_avg, exp_avg_sq
+        for step in range(1, steps + 1):
+            self.optimizer.ds_opt_adam.adam_update(
+                self.optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                group["weight_decay"], group["bias_correction"], *scratch,
+            )  # fmt: skip
 
     def _import_deepspeed_state(self, saved: dict[str, Any]) -> None:
         """From DeepSpeed's own ZeRO checkpoint (``saved``): step counts, loss scaler and the
@@ -692,7 +762,7 @@ class TierStoreZeroOptimizer(_BaseOptimizer):  # type: ignore[misc]
 
     def checkpoint_event_epilogue(self) -> None:
         super().checkpoint_event_epilogue()
-        self.optimizer_swapper.clear_snapshot()
+        self.optimizer_swapper.clear_imported()
 
     def destroy(self) -> None:
         super().destroy()

@@ -8,6 +8,7 @@ Tests for capabilities a backend does not declare are skipped, never failed.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -187,6 +188,26 @@ class BackendTests(ABC):
         backend.delete("a")
         assert not backend.exists("a")
         assert backend.list() == ["b", "c.1"]
+
+    def test_copy_from_another_instance(self, backend: Backend, root: Path) -> None:
+        """A copy between two instances of this backend either is one (the bytes, whole, under the
+        new name, the source intact) or is declined without a trace."""
+        data = pattern(2 * 4096 + 5, seed=3)
+        medium = root.with_name(f"{root.name}-other")  # beside the first: on the same medium kind
+        other = self.open(medium)
+        try:
+            self.write_whole(other, "source", data)
+            if not backend.copy_from("copy", other, "source"):
+                assert not backend.exists("copy")
+                return
+            assert self.raw_get(backend, "copy") == data.tobytes()
+            other.delete("source")  # the copy does not depend on the source's name
+            assert self.read_whole(backend, "copy") == data.tobytes()
+            with pytest.raises(KeyNotFoundError):
+                backend.copy_from("copy2", other, "source")
+        finally:
+            other.close()
+            shutil.rmtree(medium, ignore_errors=True)
 
     def test_missing_object(self, backend: Backend) -> None:
         with pytest.raises(KeyNotFoundError):
