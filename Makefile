@@ -63,7 +63,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
 
 # A ~1B-parameter Llama trained by Trainer beyond this machine's memory: tierstore beside DeepSpeed
-# (about an hour; needs ~50 GB free on the disk under test).
+# (about 25 minutes; needs ~50 GB free on the disk under test).
 showcase: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 \
 		--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json
