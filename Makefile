@@ -42,7 +42,7 @@ lint: $(VENV)/.test
 	rm -rf $(TYPED_TREE) && mkdir -p $(TYPED_TREE)/tierstore
 	ln -s $(CURDIR)/tierstore/* $(TYPED_TREE)/tierstore/
 	ln -s $(CURDIR)/tests $(CURDIR)/benchmarks $(TYPED_TREE)/
-	for package in backends optimizer activations integrations; do \
+	for package in backends optimizer activations checkpoint integrations; do \
 		ln -s $(CURDIR)/$$package $(TYPED_TREE)/tierstore/$$package; done
 	cd $(TYPED_TREE) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml tierstore tests benchmarks
 

@@ -44,7 +44,9 @@ class PrivateDirectory:
     """``<root>/.<kind>-<id>``: created owner-only and locked while this instance is open."""
 
     def __init__(self, root: Path, kind: str) -> None:
-        self.path = root / f".{kind}-{secrets.token_hex(ID_HEX_DIGITS // 2)}"
+        self.id = secrets.token_hex(ID_HEX_DIGITS // 2)
+        """The directory's id: also names what its owner writes outside it (checkpoint objects)."""
+        self.path = root / f".{kind}-{self.id}"
         staging = self.path.with_name(self.path.name + ".new")
         os.mkdir(staging, 0o700)
         self._fd = os.open(staging / LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -59,14 +61,7 @@ class PrivateDirectory:
 
 def remove_abandoned(root: Path, kind: str) -> None:
     """Delete the ``kind`` private directories under ``root`` whose owners have ended."""
-    pattern = re.compile(rf"\.{re.escape(kind)}-[0-9a-f]{{{ID_HEX_DIGITS}}}")
-    with os.scandir(root) as entries:
-        candidates = [
-            Path(entry.path)
-            for entry in entries
-            if pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)
-        ]
-    for path in candidates:
+    for path in _directories(root, kind).values():
         try:
             fd = os.open(path / LOCK, os.O_RDWR)
         except FileNotFoundError:  # another opener removed it meanwhile
@@ -77,6 +72,23 @@ def remove_abandoned(root: Path, kind: str) -> None:
                 _log.info("removed %s, left by a backend that ended without closing", path)
         finally:
             os.close(fd)
+
+
+def owner_ids(root: Path, kind: str) -> set[str]:
+    """The ids of the ``kind`` private directories under ``root``: after
+    :func:`remove_abandoned`, those of owners alive (or not provably ended: no ``flock``)."""
+    return set(_directories(root, kind))
+
+
+def _directories(root: Path, kind: str) -> dict[str, Path]:
+    """The ``kind`` private directories under ``root`` by id."""
+    pattern = re.compile(rf"\.{re.escape(kind)}-([0-9a-f]{{{ID_HEX_DIGITS}}})")
+    with os.scandir(root) as entries:
+        return {
+            match.group(1): Path(entry.path)
+            for entry in entries
+            if (match := pattern.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False)
+        }
 
 
 def _lock(fd: int) -> bool | None:

@@ -98,3 +98,8 @@ class NamespaceInUseError(TierStoreError, ValueError):
 
 class StoreLockedError(TierStoreError, RuntimeError):
     """The persistent store's manifest is already open in another process (or store object)."""
+
+
+class CheckpointNotFoundError(KeyNotFoundError):
+    """No tier holds a committed checkpoint of that id (never saved, interrupted before its commit,
+    or deleted by retention); the message names the id, the tiers searched and what they hold."""

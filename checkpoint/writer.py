@@ -1,0 +1,306 @@
+"""The DCP storage writer: ``dcp.save`` and ``dcp.async_save`` to the fast tier, then the drain."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import uuid
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from ..buffers import BufferPool
+from ..config import ConfigSource, load_config
+from ..errors import BufferMismatchError, ConfigError, InvalidKeyError
+from .drain import Drainer
+from .layout import SCHEME, checkpoint_name, is_checkpoint_id
+from .staging import WAIT_SECONDS, Staging, object_bytes
+from .stored import StoredTensor
+from .tiers import CheckpointTier, TierSet, open_tiers
+
+FAST_TIER_KEEP = 2
+"""Checkpoints the fast tier keeps by default when there is a tier to drain to."""
+
+
+class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
+    """Writes DCP checkpoints to the first tier of a tierstore config and drains them to the
+    others (see :mod:`tierstore.checkpoint`).
+
+    ``config``: a store config (dict, ``.toml``/``.json`` path or :class:`~tierstore.StoreConfig`)
+    whose ``tiers`` are where checkpoints go, fastest first: every rank writes its items to the
+    first tier (striped over its paths) and ``dcp.save`` returns once the checkpoint is committed
+    there; the coordinating rank then copies it to each following tier in the background, and it is
+    durable once the last tier holds it. ``cache.budget`` is the DRAM a save stages through
+    (``dcp.async_save`` copies the state into it instead of a second full copy), and
+    ``cache.pack_below`` the size under which items share pack objects; the other fields of a store
+    config do not apply to checkpoints.
+
+    ``keep``: how many checkpoints each tier keeps, by tier name (None: all). By default the first
+    tier keeps the newest 2 when there are tiers after it, and every other tier keeps all. A
+    checkpoint leaves a tier before the last only once the last tier holds it.
+
+    Opening the writer collects what interrupted saves, drains and deletions of ended processes
+    left on the tiers. Like DCP's own writers, one writer serves one save at a time: an
+    ``async_save`` waits in its staging until the previous save has written its data. Use the
+    thread checkpointer of ``dcp.async_save`` (the default): the process one cannot carry this
+    writer to its child process. :meth:`close` (or the ``with`` block) waits for the drain.
+    """
+
+    _synchronize_after_execute = False  # staging is done when stage() returns
+
+    def __init__(self, config: ConfigSource, *, keep: Mapping[str, int | None] | None = None) -> None:
+        settings = load_config(config)
+        super().__init__(open_tiers(settings, capacity=True))
+        try:
+            self._keep = _retention(keep, self._tiers)
+            object_bytes(int(settings.cache.budget))  # a budget too small is refused now, not mid-save
+            for tier in self._tiers:
+                tier.collect()
+                tier.adopt()
+        except BaseException:
+            for tier in self._tiers:
+                tier.close()
+            raise
+        self._pool = BufferPool(int(settings.cache.budget), resident=True)
+        self._pack_below = int(settings.cache.pack_below)
+        self._name: str | None = None
+        self._save_id = uuid.uuid4().hex
+        self._staged: Staging | None = None
+        self._drainer: Drainer | None = None
+        self._lock = threading.Condition()
+
+    # -- DCP's StorageWriter ----------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | Any | None = None) -> None:
+        """Start a save; ``checkpoint_id`` is ``tierstore://<name>`` or ``<name>`` (None: the last
+        one given)."""
+        self._check_open()
+        self._claim_staged()
+        if checkpoint_id:
+            self._name = checkpoint_name(checkpoint_id)
+        self._save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP tells each rank its role; the coordinating rank commits, drains and applies
+        retention."""
+        self._check_open()
+        self._claim_staged()
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError(
+                "use_collectives=False: a tierstore checkpoint is committed once for all ranks by the "
+                "coordinator; save with collectives"
+            )
+        if is_coordinator and self._drainer is None:
+            self._drainer = self._start_drainer()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self._name is None:
+            raise InvalidKeyError("no checkpoint id: pass checkpoint_id='tierstore://<name>' to the save")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items to the fast tier: the ones ``stage`` copied, or else each
+        item resolved now, copied through the budget and written while the next is copied."""
+        staging = self._take_staged()
+        keys: list[Hashable] = []
+        try:
+            if staging is None:
+                staging = Staging(self._tiers[0], self._pool, pack_below=self._pack_below, write_at_once=True)
+                for item in plan.items:
+                    staging.add(item.index, planner.resolve_data(item))
+                    keys.append(item.index)
+            else:
+                keys = [self._staged_key(staging, item, planner) for item in plan.items]
+            written = staging.write(keys)
+        except BaseException:
+            if staging is not None:
+                staging.abandon()
+            raise
+        results = [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=written[key][0]["nbytes"],
+                storage_data={"item": written[key][0], "objects": written[key][1]},
+            )
+            for item, key in zip(plan.items, keys, strict=True)
+        ]
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit the checkpoint on the fast tier (its record written last), then queue its drain."""
+        assert self._name is not None
+        objects: dict[str, dict[str, Any]] = {}
+        storage = {}
+        for rank_results in results:
+            for result in rank_results:
+                storage[result.index] = result.storage_data["item"]
+                objects.update(result.storage_data["objects"])
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        self._tiers[0].commit(self._name, self._save_id, objects, metadata)
+        if self._drainer is None:
+            self._drainer = self._start_drainer()
+        self._drainer.submit(self._name)
+
+    def storage_meta(self) -> StorageMeta | None:
+        self._claim_staged()
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """The id of the checkpoint being saved, ``tierstore://<name>``."""
+        return None if self._name is None else f"{SCHEME}{self._name}"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | Any) -> bool:
+        """Whether ``checkpoint_id`` is one of these: ``tierstore://<name>`` or a plain name."""
+        return is_checkpoint_id(checkpoint_id)
+
+    # -- DCP's AsyncStager ------------------------------------------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """For ``dcp.async_save``: copy every tensor (and DTensor's local shard) into the DRAM
+        budget, spilling to the fast tier while it is full, and return the state dict for the
+        background save, whose tensors are only looked at for their shapes (their data is the
+        staged copy) and whose other values are copies. Training may go on when this returns."""
+        self._check_open()
+        with self._lock:
+            while self._staged is not None:  # the previous save has not written its data yet
+                previous = self._staged
+                if previous.claimed_by is not None and not previous.claimed_by.is_alive():
+                    previous.abandon()  # its save ended without writing: it failed
+                    self._staged = None
+                    break
+                self._lock.wait(WAIT_SECONDS)
+        flat, mappings = flatten_state_dict(state_dict)
+        staging = Staging(self._tiers[0], self._pool, pack_below=self._pack_below, write_at_once=False)
+        planned: dict[str, Any] = {}
+        try:
+            with torch.no_grad():
+                for fqn, value in flat.items():
+                    if isinstance(value, DTensor):
+                        staging.add(fqn, value.to_local())
+                    elif type(value) in (torch.Tensor, torch.nn.Parameter, StoredTensor):
+                        staging.add(fqn, value)
+                    elif isinstance(value, torch.Tensor):
+                        raise BufferMismatchError(
+                            f"{fqn}: async staging takes tensors and DTensors, not {type(value).__name__}; "
+                            "save it with dcp.save"
+                        )
+                    planned[fqn] = value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        except BaseException:
+            staging.abandon()
+            raise
+        with self._lock:
+            self._staged = staging
+        return unflatten_state_dict(planned, mappings)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the state is copied."""
+
+    # -- the drain --------------------------------------------------------------------------------
+    def drain(self, *, wait: bool = True) -> None:
+        """Drain every committed checkpoint some later tier lacks (after an interrupted drain);
+        with ``wait``, until done (raising a drain's error)."""
+        self._check_open()
+        if self._drainer is None:
+            self._drainer = self._start_drainer()
+        else:
+            for name in self._drainer.pending():
+                self._drainer.submit(name)
+        if wait:
+            self._drainer.wait(None, None)
+
+    def wait_durable(self, checkpoint_id: str | None = None, timeout: float | None = None) -> bool:
+        """Wait until the checkpoint (None: every one queued) is on the last tier; False if
+        ``timeout`` seconds pass first. Raises the drain's error if it failed."""
+        if self._drainer is None:
+            return True
+        name = None if checkpoint_id is None else checkpoint_name(checkpoint_id)
+        return self._drainer.wait(name, timeout)
+
+    def close(self) -> None:
+        """Wait for the drain, then close the tiers and free the budget."""
+        if self._closed:
+            return
+        if self._drainer is not None:
+            self._drainer.close()
+        with self._lock:
+            if self._staged is not None:
+                self._staged.abandon()
+                self._staged = None
+        super().close()
+        self._pool.clear()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _start_drainer(self) -> Drainer:
+        drainer = Drainer(self._tiers, self._keep, self._pool)
+        for name in drainer.pending():
+            drainer.submit(name)
+        return drainer
+
+    def _claim_staged(self) -> None:
+        """A save running on another thread than the staging (``dcp.async_save``'s executor)
+        takes the staged items over."""
+        with self._lock:
+            staged = self._staged
+            current = threading.current_thread()
+            if staged is not None and staged.claimed_by is None and staged.staged_by is not current:
+                staged.claimed_by = current
+
+    def _take_staged(self) -> Staging | None:
+        with self._lock:
+            staged = self._staged
+            if staged is None or staged.claimed_by is not threading.current_thread():
+                return None
+            self._staged = None
+            self._lock.notify_all()
+            return staged
+
+    @staticmethod
+    def _staged_key(staging: Staging, item: WriteItem, planner: SavePlanner) -> Hashable:
+        """The staged entry of a planned item: a tensor's by its name (copied by ``stage``), a
+        serialized object's resolved now (``stage`` copied the object itself)."""
+        if item.type == WriteItemType.BYTE_IO:
+            staging.add(item.index, planner.resolve_data(item))
+            return item.index
+        fqn = item.index.fqn
+        assert item.tensor_data is not None
+        nbytes = math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+        if fqn not in staging or staging.nbytes(fqn) != nbytes:
+            raise BufferMismatchError(
+                f"{fqn}: the save plans {nbytes} bytes that stage() did not copy (a planner that names "
+                "items differently from DCP's default, or several local shards of one tensor): save "
+                "it with dcp.save"
+            )
+        return fqn
+
+
+def _retention(keep: Mapping[str, int | None] | None, tiers: list[CheckpointTier]) -> list[int | None]:
+    """Each tier's ``keep``, checked: a count >= 1 or None, for tiers the config has."""
+    given = dict(keep or {})
+    names = [tier.name for tier in tiers]
+    for name in given:
+        if name not in names:
+            raise ConfigError(f"keep.{name}: the config has no tier {name!r} (tiers: {', '.join(names)})")
+    counts: list[int | None] = []
+    for index, tier in enumerate(tiers):
+        count = given.get(tier.name, FAST_TIER_KEEP if index == 0 and len(tiers) > 1 else None)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ConfigError(
+                f"keep.{tier.name}: a number of checkpoints >= 1, or None for all; not {count!r}"
+            )
+        counts.append(count)
+    return counts
