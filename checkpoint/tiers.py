@@ -143,15 +143,16 @@ class CheckpointTier:
     def commit(self, name: str, save_id: str, objects: ObjectTable, metadata: Any) -> Committed:
         """Write the record that commits checkpoint ``name`` (its data objects already written)."""
         committed_at = time.time_ns()
+        record = self.new_name("c", f"{name}-")
         payload = {
             "format": 1,
+            "record": record,
             "name": name,
             "save_id": save_id,
             "committed_at": committed_at,
             "objects": objects,
             "metadata": metadata,
         }
-        record = self.new_name("c", f"{name}-")
         self.records.write(record, 0, encode_record(payload)).result()
         committed = Committed(name, save_id, committed_at, record, objects, metadata)
         with self._lock:
@@ -187,7 +188,9 @@ class CheckpointTier:
         except (KeyNotFoundError, OutOfRangeError, BackendIOError):  # deleted, or still being written
             return None
         payload = decode_record(bytes(data))
-        if payload is None:
+        # A record names itself: a write into a recycled file that a crash cut short leaves the
+        # file's old contents (an older, whole record) under the new name, which must not count.
+        if payload is None or payload.get("record") != record:
             return None
         committed = Committed(
             str(payload["name"]),
