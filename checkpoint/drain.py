@@ -192,11 +192,14 @@ class Drainer:
     def _retain(self) -> None:
         durable = {name: record.save_id for name, record in self.tiers[-1].committed().items()}
         for tier, keep in zip(self.tiers, self.keep, strict=True):
-            committed = tier.committed()
-            newest = {record.record for record in committed.values()}
-            for record in tier.scan():
-                if record.record not in newest:  # a name saved again: the older save is superseded
+            # One listing decides: a save committing meanwhile is in neither the records superseded
+            # nor the ones counted for retention (a second listing would take it for superseded).
+            records = sorted(tier.scan(), key=_age)
+            committed = {record.name: record for record in records}  # the newest of each name
+            for record in records:
+                if committed[record.name] is not record:  # a name saved again: the older is superseded
                     tier.delete(record)
+            committed = dict(sorted(committed.items(), key=lambda item: _age(item[1])))
             if keep is None:
                 continue
             for name, record in list(committed.items())[:-keep]:
