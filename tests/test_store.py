@@ -568,3 +568,22 @@ def test_copy_to_links_files_and_a_linked_file_is_never_recycled(tmp_path: Path)
     assert linked.stat().st_nlink == 1
     source.close()
     destination.close()
+
+
+def test_copy_to_rejects_bad_input_and_copies_nothing(tmp_path: Path) -> None:
+    """Not a store, the store itself, a bare string, an unknown key: a typed error each, and the
+    destination holds nothing afterwards (the keys are checked before the first copy)."""
+    source = TierStore([Tier("t", open_backend(f"nvme://{tmp_path / 'source'}"))], cache_budget=0)
+    destination = TierStore([Tier("t", open_backend(f"nvme://{tmp_path / 'destination'}"))], cache_budget=0)
+    source.put("a", torch.ones(4)).result()
+    with pytest.raises(ConfigError, match="destination must be a TierStore"):
+        source.copy_to(tmp_path, ["a"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="destination is this store"):
+        source.copy_to(source)
+    with pytest.raises(InvalidKeyError, match="iterable of keys"):
+        source.copy_to(destination, "a")
+    with pytest.raises(KeyNotFoundError):
+        source.copy_to(destination, ["a", "missing"])
+    assert destination.keys() == []
+    source.close()
+    destination.close()

@@ -269,14 +269,21 @@ class TierStore:
         the checksums are carried over: an optimizer's state checkpointed into a store in the
         checkpoint's folder, and back at resume, in the time of a few metadata operations.
         Otherwise the object is read and put, one at a time. Blocks until every key is
-        committed; a failure leaves the keys done so far committed and raises."""
+        committed. Bad input (another type, this store, an unknown key) is refused before any
+        copy; an I/O failure leaves the keys done so far committed and raises."""
         self._check_open()
+        if not isinstance(destination, TierStore):
+            raise ConfigError(f"copy_to: destination must be a TierStore, not {type(destination).__name__}")
+        if destination is self:
+            raise ConfigError("copy_to: destination is this store (its keys would replace themselves)")
         destination._check_open()
         if isinstance(keys, str):  # a str is one key per character
             raise InvalidKeyError(f"copy_to takes an iterable of keys, not {keys!r}: use [key]")
-        for key in self.keys() if keys is None else list(keys):
+        chosen = self.keys() if keys is None else list(keys)
+        for key in chosen:  # every key checked before the first is copied
             self._check_known(key)
             check_key(key)
+        for key in chosen:
             self._serial.submit(key, self._copy_to, key, destination).result()
 
     def _copy_to(self, key: str, destination: TierStore) -> None:
