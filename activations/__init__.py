@@ -8,6 +8,7 @@ before backward needs them (SSDTrain's mechanics, TERAIO's lifetime-aware plan).
 >>> loss.backward()                                                                        # doctest: +SKIP
 """
 
-from .offload import PLANS, ActivationOffload, Plan
+from .offload import ActivationOffload
+from .options import PLANS, Plan
 
 __all__ = ["PLANS", "ActivationOffload", "Plan"]

@@ -1,8 +1,8 @@
 """The ADIOS2 worker process behind ``tierstore.backends.adios2``.
 
 ADIOS2's Python bindings hold the GIL for a whole put or get, so calling them in the store's
-process would freeze every other thread (measured here: a spinning thread made no progress during
-a 256 MiB put). This script runs ADIOS2 in a process of its own. It imports only the standard
+process would freeze every other thread (a thread spinning beside a 256 MiB put makes no progress
+until the put ends). This script runs ADIOS2 in a process of its own. It imports only the standard
 library, numpy and adios2's bindings (never tierstore or torch), so it starts in a fraction of a
 second.
 
@@ -59,7 +59,7 @@ class Server:
 
     def put(self, slot: int, offset: int, length: int) -> dict[str, Any]:
         self.variable.SetSelection([[offset], [length]])
-        # Deferred + PerformDataWrite writes straight from the slot (measured 2-3x faster than a
+        # Deferred + PerformDataWrite writes straight from the slot (2-3x as fast as a
         # Sync put, which copies into ADIOS2's buffer first) and is done with the slot on return,
         # so the parent may refill it; memory stays bounded whatever the object's size.
         self.engine.Put(self.variable, self.slots[slot][:length], bindings.Mode.Deferred)

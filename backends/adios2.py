@@ -28,7 +28,7 @@ store's process is gone.
 
 Only whole objects are written (``partial_writes`` is False): ADIOS2 files are append-only.
 Writes default to ``StatsLevel=0`` (no min/max per block) and a large ``BufferChunkSize``, which
-made writes about 4x faster here.
+make writes about 4x as fast as ADIOS2's own defaults.
 """
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ READER_LINK = "r" * 250
 
 
 class Adios2Options(DirectoryOptions):
+    """Options of ``adios2://`` (``path`` is the objects' directory)."""
+
     engine: Literal["BP5", "BP4"] = "BP5"
+    """The ADIOS2 file engine the objects are written and read with."""
     parameters: dict[str, str] = Field(
         default_factory=lambda: {"StatsLevel": "0", "BufferChunkSize": str(128 << 20)}
     )
@@ -73,7 +76,15 @@ class Adios2Options(DirectoryOptions):
 
 
 class Adios2Backend(DirectoryBackend):
-    """Whole objects in BP5 files; ADIOS2 itself runs in a worker process."""
+    """Whole objects in BP5 files; ADIOS2 itself runs in a worker process, started on first use
+    (the module docstring gives the layout and why).
+
+    Args:
+        options: an :class:`Adios2Options`.
+
+    Raises:
+        UnwritablePathError: the directory cannot be created or written.
+    """
 
     scheme = "adios2"
     Options = Adios2Options
@@ -92,6 +103,7 @@ class Adios2Backend(DirectoryBackend):
 
     @property
     def capabilities(self) -> Capabilities:
+        """Implements :attr:`Backend.capabilities`: whole-object writes only (append-only files)."""
         return Capabilities(
             alignment=1,
             chunk_bytes=int(self.options.transfer_bytes),
@@ -102,6 +114,7 @@ class Adios2Backend(DirectoryBackend):
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._write`: written aside, then renamed over the old object."""
         return self._dispatch.submit(self._write_now, name, data)
 
     def _write_now(self, name: str, data: memoryview) -> None:
@@ -135,6 +148,7 @@ class Adios2Backend(DirectoryBackend):
             raise
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._read_into`."""
         return self._dispatch.submit(self._read_now, name, offset, out)
 
     def _read_now(self, name: str, offset: int, out: memoryview) -> None:
@@ -159,6 +173,7 @@ class Adios2Backend(DirectoryBackend):
 
     # -- metadata ---------------------------------------------------------------------------------
     def _size(self, name: str) -> int:
+        """Implements :meth:`Backend._size`: asked of the worker once, then remembered."""
         path = self._existing(name)
         with self._lock:
             if name in self._sizes:
@@ -186,15 +201,18 @@ class Adios2Backend(DirectoryBackend):
         return size
 
     def _delete(self, name: str) -> None:
+        """Implements :meth:`Backend._delete`: the ``.bp`` directory goes."""
         path = self._existing(name)
         with self._lock:
             self._sizes.pop(name, None)
             shutil.rmtree(path)
 
     def _exists(self, name: str) -> bool:
+        """Implements :meth:`Backend._exists`."""
         return self._path(name).is_dir()
 
     def _list(self) -> list[str]:
+        """Implements :meth:`Backend._list`: the ``<name>.bp`` directories."""
         return [
             entry.name[: -len(".bp")]
             for entry in os.scandir(self.root)
@@ -202,6 +220,7 @@ class Adios2Backend(DirectoryBackend):
         ]
 
     def _close(self) -> None:
+        """Implements :meth:`Backend._close`: the worker stops; private directories go."""
         self._dispatch.shutdown(wait=True)
         if self._worker is not None:
             self._worker.stop()

@@ -34,26 +34,18 @@ import errno
 import os
 import re
 import tempfile
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ByteSize,
-    ConfigDict,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-)
+from pydantic import AfterValidator, ByteSize, ValidationError
 
+from .._checks import ConfigModel
+from .._closeable import Closeable
 from ..buffers import ALIGNMENT
-from ..config import refuse_bool_as_number
 from ..errors import (
     AlignmentError,
     BufferMismatchError,
@@ -114,7 +106,17 @@ PageMultiple = Annotated[ByteSize, AfterValidator(_page_multiple)]
 def prepare_root(root: Path, scheme: str) -> Path:
     """Create a backend's root directory (owner-only) and prove it is writable.
 
-    Raises :class:`~tierstore.errors.UnwritablePathError` naming the path otherwise."""
+    Args:
+        root: the directory (``~`` expanded, made absolute).
+        scheme: the backend's scheme, which error messages start with.
+
+    Returns:
+        The absolute root.
+
+    Raises:
+        UnwritablePathError: the directory cannot be created or written (a file stands in its
+            way, permissions, a full or read-only file system); the message names the path.
+    """
     root = root.expanduser().absolute()
     blocking = next((path for path in (root, *root.parents) if path.exists()), None)
     if blocking is not None and not blocking.is_dir():
@@ -135,27 +137,38 @@ def prepare_root(root: Path, scheme: str) -> Path:
     return root
 
 
-class BackendOptions(BaseModel):
-    """Base of every backend's options; unknown fields are errors, and so is a bool for a number."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_bool_as_number(cls, value, info)
+class BackendOptions(ConfigModel):
+    """Base of every backend's options: the rules of every option model (unknown fields are
+    errors, a bool is no number; see :class:`~tierstore._checks.ConfigModel`)."""
 
 
-class Backend(ABC):
-    """Abstract base of all backends (see the module docstring for the life cycle).
+class Backend(Closeable):
+    """Abstract base of all backends: named byte objects on one storage medium (the module
+    docstring gives the life cycle and the object semantics).
 
-    Subclasses implement the underscored hooks; the public methods check names, alignment,
-    ranges and the closed state once, here, so every backend rejects bad input the same way.
+    A subclass sets :attr:`scheme` and :attr:`Options`, implements :attr:`capabilities` and the
+    underscored hooks (``_write``, ``_read_into``, ``_delete``, ``_exists``, ``_size``,
+    ``_list``; ``_copy_from`` and ``_close`` where it has something to do), and overrides the
+    optional public hooks that apply to its medium (:meth:`options_from_url`, :meth:`location`,
+    :meth:`claim_scratch`, :meth:`spare_bytes`, :meth:`release_spares`). The public methods check
+    names, alignment, ranges and the closed state once, here, so every backend rejects bad input
+    the same way and a hook only ever sees valid arguments on an open backend.
+
+    Args:
+        options: the backend's :attr:`Options`, already validated; open a backend with
+            :meth:`from_options` or :func:`~tierstore.backends.open_backend`, which validate a
+            table's or a URL's fields first.
+
+    Raises:
+        UnwritablePathError: (from a subclass) the medium cannot be created or written.
+        ConfigError: (from a subclass) options that are valid alone but not together, or not on
+            this medium.
     """
 
     scheme: ClassVar[str]
     """URL scheme and registry name, e.g. ``"nvme"``."""
     Options: ClassVar[type[BackendOptions]] = BackendOptions
+    """The pydantic model of this backend's options (fields of a config table or URL query)."""
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
@@ -164,7 +177,21 @@ class Backend(ABC):
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, where: str = "backend") -> Backend:
-        """Validate ``options`` against :attr:`Options` and open the backend."""
+        """Validate ``options`` against :attr:`Options` and open the backend.
+
+        Args:
+            options: the option fields: a config table without its ``type``, or what
+                :meth:`options_from_url` makes of a URL.
+            where: the options' place in a larger config document (``"tiers.0.backend"``), which
+                error messages name so that the user finds the field.
+
+        Returns:
+            The open backend.
+
+        Raises:
+            ConfigError: a field is unknown, missing or invalid; each is named under ``where``.
+            UnwritablePathError: the backend cannot write its medium.
+        """
         try:
             validated = cls.Options.model_validate(dict(options))
         except ValidationError as error:
@@ -176,9 +203,17 @@ class Backend(ABC):
 
     @classmethod
     def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        """Map a URL (``scheme://location?query``) to option fields.
+        """Map a URL ``scheme://location?query`` to option fields. By default ``location`` is the
+        ``path`` field and the query gives the others.
 
-        ``scheme`` is the whole scheme, e.g. ``zarr+s3`` for a backend registered as ``zarr``.
+        Args:
+            scheme: the URL's whole scheme, e.g. ``zarr+s3`` for a backend registered as ``zarr``
+                (the part after ``+`` may choose a protocol).
+            location: the URL's host and path (``/data`` of ``nvme:///data``); empty if none.
+            query: the query's fields, as strings (:attr:`Options` converts them).
+
+        Returns:
+            The fields for :meth:`from_options`.
         """
         return {"path": location, **query} if location else dict(query)
 
@@ -186,11 +221,35 @@ class Backend(ABC):
     @property
     @abstractmethod
     def capabilities(self) -> Capabilities:
-        """This instance's capabilities (they may depend on options and on the medium)."""
+        """What this instance can do. It may depend on the options and on the medium (``nvme``
+        aligns to pages only where the file system takes O_DIRECT), but never changes while the
+        backend is open: the store plans its I/O around it once."""
 
     # -- data path --------------------------------------------------------------------------------
     def write(self, name: str, offset: int, data: Any) -> Future[None]:
-        """Write the bytes of ``data`` (any buffer) at ``offset`` of object ``name``."""
+        """Write the bytes of ``data`` at ``offset`` of object ``name``, creating the object if
+        needed and growing it to ``max(size, offset + len(data))``.
+
+        Args:
+            name: the object's name (:data:`NAME_PATTERN`).
+            offset: where in the object the bytes go: a multiple of
+                :attr:`Capabilities.alignment`, and 0 on a backend without ``partial_writes``,
+                whose writes replace the whole object.
+            data: any buffer (``memoryview``, numpy array, ``bytes``...), written as raw bytes.
+                The caller keeps it alive and unchanged until the future resolves, because the
+                backend may copy from it on other threads until then.
+
+        Returns:
+            A future that resolves once the bytes are written (synced to the medium only where
+            the backend's options say so), or raises :class:`~tierstore.errors.BackendIOError`
+            if the medium failed.
+
+        Raises:
+            InvalidKeyError: ``name`` is not a valid object name.
+            AlignmentError: ``offset`` is negative or unaligned, or not 0 where only whole
+                objects can be written.
+            StoreClosedError: the backend is closed.
+        """
         self._check_open()
         check_name(name)
         view = memoryview(data).cast("B")
@@ -200,7 +259,26 @@ class Backend(ABC):
         return self._write(name, offset, view)
 
     def read_into(self, name: str, offset: int, out: Any) -> Future[None]:
-        """Fill the writable buffer ``out`` with the object's bytes starting at ``offset``."""
+        """Fill ``out`` with the bytes of object ``name`` from ``offset`` on.
+
+        Args:
+            name: the object's name.
+            offset: where in the object the read starts: a multiple of
+                :attr:`Capabilities.alignment`.
+            out: a writable buffer, whose length is the number of bytes read. The caller keeps
+                it alive, and does not use it, until the future resolves.
+
+        Returns:
+            A future that resolves once ``out`` is filled, or raises
+            :class:`~tierstore.errors.BackendIOError` if the medium failed.
+
+        Raises:
+            KeyNotFoundError: there is no object ``name``.
+            OutOfRangeError: ``[offset, offset + len(out))`` reaches past the object's end (a
+                read never returns fewer bytes than asked for).
+            BufferMismatchError: ``out`` is read-only.
+            InvalidKeyError, AlignmentError, StoreClosedError: as :meth:`write` raises them.
+        """
         self._check_open()
         check_name(name)
         view = memoryview(out).cast("B")
@@ -217,36 +295,79 @@ class Backend(ABC):
 
     # -- metadata ---------------------------------------------------------------------------------
     def delete(self, name: str) -> None:
-        """Remove an object; raises :class:`~tierstore.errors.KeyNotFoundError` if absent."""
+        """Remove object ``name``; it is gone from :meth:`list` and :meth:`exists` on return.
+
+        Args:
+            name: the object's name.
+
+        Raises:
+            KeyNotFoundError: there is no object ``name``.
+            BackendIOError: the medium refused.
+            InvalidKeyError, StoreClosedError: as :meth:`write` raises them.
+        """
         self._check_open()
         check_name(name)
         self._delete(name)
 
     def exists(self, name: str) -> bool:
+        """Whether object ``name`` exists.
+
+        Args:
+            name: the object's name.
+
+        Raises:
+            InvalidKeyError, StoreClosedError: as :meth:`write` raises them.
+        """
         self._check_open()
         check_name(name)
         return self._exists(name)
 
     def size(self, name: str) -> int:
-        """Size in bytes; raises :class:`~tierstore.errors.KeyNotFoundError` if absent."""
+        """The size in bytes of object ``name``.
+
+        Args:
+            name: the object's name.
+
+        Raises:
+            KeyNotFoundError: there is no object ``name``.
+            InvalidKeyError, StoreClosedError: as :meth:`write` raises them.
+        """
         self._check_open()
         check_name(name)
         return self._size(name)
 
     def list(self) -> builtins.list[str]:
-        """Names of all objects, sorted."""
+        """The names of all objects, sorted. A backend's own files (probes, private
+        directories, recycled files) are never listed.
+
+        Raises:
+            StoreClosedError: the backend is closed.
+        """
         self._check_open()
         return sorted(self._list())
 
     def copy_from(self, name: str, source: Backend, source_name: str) -> bool:
-        """Make object ``name`` (replaced if it exists) a copy of ``source``'s object
-        ``source_name`` without the bytes passing through this process, and return True; or do
-        nothing and return False where these two backends cannot (the caller then copies through
-        memory). Blocks until done. Raises :class:`~tierstore.errors.KeyNotFoundError` if the
-        source object is absent (where the copy is possible at all).
+        """Make object ``name`` a copy of ``source``'s object ``source_name`` without the bytes
+        passing through this process, where these two backends can (a hard link, a copy inside
+        the kernel). It moves data that already sits on one tier to another (a checkpoint
+        drained to the persistent tier) without reading it into memory and writing it again.
+        Blocks until done.
 
-        For moving data that already sits on one tier to another (a checkpoint drained to the
-        persistent tier) without reading it into memory and writing it out again."""
+        Args:
+            name: the new object's name here; an existing object of that name is replaced.
+            source: the backend holding the original (open; may be this one).
+            source_name: the original's name in ``source``.
+
+        Returns:
+            True once the copy is made; False, having done nothing, where these two backends
+            cannot copy this way (the caller then copies through memory).
+
+        Raises:
+            KeyNotFoundError: ``source`` has no object ``source_name`` (where the copy is
+                possible at all).
+            BackendIOError: the medium failed; no part of the copy is left.
+            InvalidKeyError, StoreClosedError: for either backend, as :meth:`write` raises them.
+        """
         self._check_open()
         source._check_open()
         check_name(name)
@@ -255,79 +376,156 @@ class Backend(ABC):
 
     # -- space held for reuse ---------------------------------------------------------------------
     def spare_bytes(self) -> int:
-        """Space the backend holds beyond its objects for reuse (nvme's recycled files), which a
-        tier with a capacity counts in it; none by default."""
+        """Space the backend holds beyond its objects for reuse (``nvme``'s recycled files),
+        which a tier with a capacity counts in it; 0 unless a backend overrides it.
+
+        Returns:
+            The bytes held.
+        """
         return 0
 
     def release_spares(self, nbytes: int | None = None) -> int:
-        """Give back at least ``nbytes`` of :meth:`spare_bytes` if it holds them (None: all of it);
-        returns the bytes freed."""
+        """Give back :meth:`spare_bytes` to the medium, so that objects can have the space.
+
+        Args:
+            nbytes: give back at least this many bytes if held; None gives back all of them.
+
+        Returns:
+            The bytes freed (0 unless a backend overrides it).
+        """
         return 0
 
     # -- sharing a medium -------------------------------------------------------------------------
     def location(self) -> Location | None:
-        """Where this backend's objects live; None if they are private to this instance (memory).
+        """Where this backend's objects live, so that a store can refuse two paths on one medium
+        (their object names would clash). Persistent backends override this.
 
-        Persistent backends override this: a store refuses two paths with the same location."""
+        Returns:
+            The location, or None where the objects are private to this instance (memory).
+        """
         return None
 
-    def claim_scratch(self) -> None:  # noqa: B027 - optional hook, not abstract
+    def claim_scratch(self) -> None:
         """Keep the objects written from now on apart from everyone else's, for a scratch store.
 
         A backend on a shared medium puts them in a directory private to this instance, removed
         at :meth:`close` or, if the process dies first, by the next backend opened on the same
-        medium (:mod:`tierstore.backends.private`). Memory backends need nothing: their objects
-        end with the process. Call it before writing the first object.
+        medium (:mod:`tierstore.backends.private`). Memory backends keep this default, which
+        does nothing: their objects end with the process. Call it before writing the first
+        object.
+
+        Raises:
+            StoreClosedError: (from a backend that overrides it) the backend is closed.
         """
 
     # -- life cycle -------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` has been called."""
         return self._closed
 
     def close(self) -> None:
-        """Wait for I/O in flight, release resources. Idempotent."""
+        """Wait for the I/O in flight and release the backend's resources (threads, processes,
+        private directories). Idempotent; every other method raises
+        :class:`~tierstore.errors.StoreClosedError` afterwards."""
         if not self._closed:
             self._closed = True
             self._close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"
 
     # -- hooks for subclasses -----------------------------------------------------------------------
     @abstractmethod
-    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]: ...
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        """Start the write :meth:`write` describes; called only on an open backend, after its
+        checks.
+
+        Args:
+            name: a valid object name.
+            offset: non-negative and aligned; 0 where ``partial_writes`` is False.
+            data: the bytes, a 1-D ``memoryview`` of format ``"B"``, valid until the future
+                resolves.
+
+        Returns:
+            A future that resolves once the bytes are written, or raises
+            :class:`~tierstore.errors.BackendIOError`.
+        """
 
     @abstractmethod
-    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]: ...
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        """Start the read :meth:`read_into` describes; called only on an open backend, after its
+        checks.
+
+        Args:
+            name: the name of an object that existed at the check.
+            offset: non-negative and aligned, with ``offset + len(out)`` within the object.
+            out: a writable 1-D ``memoryview`` of format ``"B"`` to fill completely.
+
+        Returns:
+            A future that resolves once ``out`` is filled, or raises
+            :class:`~tierstore.errors.BackendIOError`.
+
+        Raises:
+            KeyNotFoundError: the object was deleted since the check (here or through the
+                future).
+        """
 
     @abstractmethod
-    def _delete(self, name: str) -> None: ...
+    def _delete(self, name: str) -> None:
+        """Remove the object, as :meth:`delete` describes.
+
+        Args:
+            name: a valid object name.
+
+        Raises:
+            KeyNotFoundError: there is no such object.
+        """
 
     @abstractmethod
-    def _exists(self, name: str) -> bool: ...
+    def _exists(self, name: str) -> bool:
+        """Whether the object exists.
+
+        Args:
+            name: a valid object name.
+        """
 
     @abstractmethod
-    def _size(self, name: str) -> int: ...
+    def _size(self, name: str) -> int:
+        """The object's size in bytes (also called by :meth:`read_into` to check its range).
+
+        Args:
+            name: a valid object name.
+
+        Raises:
+            KeyNotFoundError: there is no such object.
+        """
 
     @abstractmethod
-    def _list(self) -> builtins.list[str]: ...
+    def _list(self) -> builtins.list[str]:
+        """The names of all objects, in any order (:meth:`list` sorts them); only names that
+        :func:`check_name` accepts, never the backend's own files."""
 
     def _copy_from(self, name: str, source: Backend, source_name: str) -> bool:
-        """Backends that can copy without this process's memory override this (see
-        :meth:`copy_from`); by default they cannot."""
+        """Make the copy :meth:`copy_from` describes, or return False; backends that can copy
+        without this process's memory override this default, which cannot.
+
+        Args:
+            name: a valid object name here.
+            source: an open backend, of any type.
+            source_name: a valid object name in ``source``.
+
+        Returns:
+            True once the copy is made; False, having changed nothing, where it cannot be made.
+
+        Raises:
+            KeyNotFoundError: ``source`` has no object ``source_name``.
+        """
         return False
 
-    def _close(self) -> None:  # noqa: B027 - optional hook, not abstract
-        """Release resources; called once. Backends without resources keep this default."""
+    def _close(self) -> None:
+        """Wait for the I/O in flight and release resources; called once, by :meth:`close`.
+        Backends without resources keep this default, which does nothing."""
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -353,6 +551,8 @@ def check_name(name: str) -> None:
 
 
 class DirectoryOptions(BackendOptions):
+    """Options of a backend that keeps its objects as files under one local directory."""
+
     path: Path
     """Root directory of the objects; created (owner-only) if missing."""
 
@@ -360,7 +560,15 @@ class DirectoryOptions(BackendOptions):
 class DirectoryBackend(Backend):
     """A backend whose objects are files under one local directory, which other backend
     instances may share: what an instance creates for itself alone goes into private directories
-    (:mod:`.private`), and those of instances that ended without closing are collected at open."""
+    (:mod:`.private`), and those of instances that ended without closing are collected at open.
+
+    Args:
+        options: a :class:`DirectoryOptions` (or a subclass's); its ``path`` is created
+            owner-only if missing.
+
+    Raises:
+        UnwritablePathError: ``path`` cannot be created or written.
+    """
 
     PRIVATE_KINDS: ClassVar[tuple[str, ...]] = ("scratch",)
     """The private directories this backend makes (collected at open when abandoned)."""
@@ -375,10 +583,11 @@ class DirectoryBackend(Backend):
         self._scratch: PrivateDirectory | None = None
 
     def location(self) -> Location:
+        """Implements :meth:`Backend.location`: the directory, by device and inode."""
         return self._location
 
     def claim_scratch(self) -> None:
-        """Objects written from now on go to a private ``.scratch-<id>/`` directory."""
+        """Implements :meth:`Backend.claim_scratch`: a private ``.scratch-<id>/`` directory."""
         self._check_open()
         if self._scratch is None:
             self._scratch = PrivateDirectory(self.root, "scratch")

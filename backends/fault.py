@@ -37,7 +37,12 @@ class _Fault:
 
 
 class FaultBackend(WrapperBackend):
-    """Another backend whose operations fail on demand (testing; see the module docstring)."""
+    """Another backend whose operations fail on demand (testing; see the module docstring).
+
+    Args:
+        options: a :class:`~tierstore.backends.wrapper.WrapperOptions` (``inner`` is the
+            backend whose operations fail).
+    """
 
     scheme = "fault"
 
@@ -49,8 +54,19 @@ class FaultBackend(WrapperBackend):
     def inject(
         self, operation: Operation, code: int, *, count: int | None = None, torn: bool = False
     ) -> None:
-        """Make the next ``count`` (default: every) ``operation`` fail with errno ``code``; a
-        ``torn`` write stores the first half of its bytes before failing."""
+        """Make ``operation`` fail with an errno, replacing the fault injected for it before.
+
+        Args:
+            operation: ``"write"``, ``"read"`` or ``"delete"``.
+            code: the errno the failures carry (``errno.ENOSPC``...).
+            count: how many of the next calls fail; None: every call until :meth:`clear`.
+            torn: a failing write stores the first half of its bytes (rounded down to the
+                alignment) before it fails, as a write cut short does.
+
+        Raises:
+            ConfigError: an unknown operation, a ``code`` that is not an errno, or a ``count``
+                below 1.
+        """
         if operation not in ("write", "read", "delete"):
             raise ConfigError(f"fault: operation must be 'write', 'read' or 'delete', not {operation!r}")
         if (
@@ -63,6 +79,7 @@ class FaultBackend(WrapperBackend):
             self._faults[operation] = _Fault(code, count, torn)
 
     def clear(self) -> None:
+        """Remove every injected fault: all operations pass through again."""
         with self._lock:
             self._faults.clear()
 
@@ -85,6 +102,7 @@ class FaultBackend(WrapperBackend):
         )
 
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._write`: an injected fault fails the future (torn: half written)."""
         fault = self._take("write")
         if fault is None:
             return self.inner.write(name, offset, data)
@@ -96,6 +114,7 @@ class FaultBackend(WrapperBackend):
         return failed
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._read_into`: an injected fault fails the future."""
         fault = self._take("read")
         if fault is None:
             return self.inner.read_into(name, offset, out)
@@ -104,6 +123,7 @@ class FaultBackend(WrapperBackend):
         return failed
 
     def _delete(self, name: str) -> None:
+        """Implements :meth:`Backend._delete`: an injected fault raises its error."""
         fault = self._take("delete")
         if fault is not None:
             raise self._error(fault, f"deleting {name}")

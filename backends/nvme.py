@@ -12,8 +12,8 @@ of unlinked, and the next new object of exactly its size is written into it. A s
 version of an object under a new name and deletes the old one, so an optimizer that rewrites its
 state each step would otherwise make ext4 allocate fresh blocks, and convert them from unwritten
 to written, on every write, and free the old blocks with an unlink; overwriting blocks already
-written skips all three (an unlink of 100 MB took up to 1.4 s here, stalling the writes beside it
-on ext4's journal). When all ``recycle`` places are taken, the oldest spare is unlinked to make
+written skips all three (unlinking a file of 100 MB can take over a second, and stalls the writes
+beside it on ext4's journal). When all ``recycle`` places are taken, the oldest spare is unlinked to make
 room: sizes an application stopped writing (DeepSpeed's master weights written alone at start,
 before the moments exist) must not hold every place forever. Spares never cost a write its space:
 a write that finds the file system full (ENOSPC) gives every spare back and tries again, and a tier
@@ -21,8 +21,7 @@ with a ``capacity`` counts them in it, giving back as many as its objects need
 (:meth:`~NvmeBackend.spare_bytes`, :meth:`~NvmeBackend.release_spares`). Spares live in
 ``<path>/.spares-<id>/``, private to this backend instance (another store on the same directory
 has its own), and are removed at ``close()``; after a crash, by the next backend opened on the
-directory (:mod:`tierstore.backends.private`), which also removes the ``.spare-N`` files that
-earlier versions kept in the directory itself. A file with another name linked to it
+directory (:mod:`tierstore.backends.private`). A file with another name linked to it
 (:meth:`~NvmeBackend.copy_from`) is never recycled: its blocks are that other object's too.
 
 **Copies** between two nvme backends (:meth:`~NvmeBackend.copy_from`) hard-link the file where
@@ -34,8 +33,8 @@ both directories are on one file system (no byte moves), and otherwise copy it i
 
 **I/O engine.** A thread pool of ``queue_depth`` workers issues ``os.preadv``/``os.pwritev``
 (which release the GIL) in ``chunk_bytes`` pieces; O_DIRECT needs several requests in flight to
-reach the device's bandwidth, and measured here a pool of threads matched fio with libaio
-(the io_uring/libaio Python wrappers were no faster), so no native extension is used. Buffers
+reach the device's bandwidth, and a pool of threads reaches what fio does with libaio (the
+io_uring/libaio Python wrappers add nothing to it), so no native extension is used. Buffers
 whose address is not 4 KiB-aligned are bounced through per-worker aligned buffers.
 
 Where the file system refuses O_DIRECT (EINVAL at open, e.g. some network or overlay file
@@ -50,7 +49,6 @@ import errno
 import itertools
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -70,16 +68,15 @@ from .base import Backend, BackendOptions, Capabilities, DirectoryBackend, Direc
 from .private import PrivateDirectory
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-LEGACY_SPARE = re.compile(r"\.spare-[0-9]+")
-"""Spares as earlier versions named them, in the directory itself; harmless to remove even while
-such a version runs (it writes a fresh file when its spare has vanished)."""
 _log = logging.getLogger("tierstore")
 
 
 class NvmeOptions(DirectoryOptions):
+    """Options of ``nvme://`` (``path`` is the objects' directory)."""
+
     queue_depth: int = Field(16, ge=1, le=256)
-    """Requests in flight at once (worker threads). O_DIRECT needs 4 or more; 16 matched fio's
-    best iodepth on this machine's disk."""
+    """Requests in flight at once (worker threads). O_DIRECT needs 4 or more to keep an NVMe
+    device busy; 16 is where fio's O_DIRECT bandwidth on a local NVMe disk levels off."""
     chunk_bytes: PageMultiple = Field(ByteSize(4 << 20))
     """Size of one request; a multiple of 4096."""
     direct: bool | None = None
@@ -92,7 +89,16 @@ class NvmeOptions(DirectoryOptions):
 
 
 class NvmeBackend(DirectoryBackend):
-    """Files under one directory, transferred by a thread pool with O_DIRECT."""
+    """Files under one directory, transferred by a thread pool with O_DIRECT (the module
+    docstring gives the layout, recycling and copies).
+
+    Args:
+        options: an :class:`NvmeOptions`.
+
+    Raises:
+        UnwritablePathError: the directory cannot be created or written.
+        ConfigError: ``direct=True`` on a file system that refuses O_DIRECT.
+    """
 
     scheme = "nvme"
     Options = NvmeOptions
@@ -102,7 +108,6 @@ class NvmeBackend(DirectoryBackend):
     def __init__(self, options: BackendOptions) -> None:
         super().__init__(options)
         assert isinstance(options, NvmeOptions)
-        self._remove_legacy_spares()
         self._chunk = int(options.chunk_bytes)
         try:
             self.direct = self._probe_direct(options.direct)
@@ -120,18 +125,9 @@ class NvmeBackend(DirectoryBackend):
         self._spare_lock = threading.Lock()
         self._spare_directory: PrivateDirectory | None = None  # made with the first spare
 
-    def _remove_legacy_spares(self) -> None:
-        with os.scandir(self.root) as entries:
-            legacy = [
-                entry.path
-                for entry in entries
-                if LEGACY_SPARE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)
-            ]
-        for path in legacy:
-            Path(path).unlink(missing_ok=True)
-
     @property
     def capabilities(self) -> Capabilities:
+        """Implements :attr:`Backend.capabilities`: page-aligned, direct I/O where O_DIRECT is used."""
         return Capabilities(
             alignment=ALIGNMENT if self.direct else 1,
             chunk_bytes=self._chunk,
@@ -176,6 +172,7 @@ class NvmeBackend(DirectoryBackend):
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._write`: a new object written from 0 takes a spare of its size."""
         path = self.root / name
         end = offset + data.nbytes
         if offset == 0:
@@ -210,6 +207,7 @@ class NvmeBackend(DirectoryBackend):
         return when_all(tasks, finish)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._read_into`."""
         fd = self._open(self.root / name, os.O_RDONLY)
         tasks = [
             self._pool.submit(self._read_chunk, fd, offset + start, out[start:stop])
@@ -232,8 +230,9 @@ class NvmeBackend(DirectoryBackend):
     def _preallocate(self, fd: int, path: Path, start: int, end: int) -> None:
         """Allocate the blocks a growing write will fill, so the write does not extend the file.
 
-        ext4 serialises O_DIRECT writes past the end of file; within it they run in parallel
-        (measured here: +15% on 1 GiB). Only used with O_DIRECT, i.e. on local file systems.
+        ext4 serialises O_DIRECT writes past the end of file, and runs those within it in
+        parallel, so the chunks of one write proceed at once. Only used with O_DIRECT, i.e. on
+        local file systems.
         """
         try:
             try:
@@ -250,7 +249,9 @@ class NvmeBackend(DirectoryBackend):
         return [(start, min(start + self._chunk, nbytes)) for start in range(0, nbytes, self._chunk)]
 
     def _write_chunk(self, fd: int, offset: int, data: memoryview, size_before: int) -> None:
-        try:
+        """Write one chunk (on a worker thread); with O_DIRECT, a partial last block is padded,
+        with the object's bytes after it read back first where there are any."""
+        with _io_errors(f"writing {data.nbytes} bytes at offset {offset}"):
             if not self.direct:
                 _pwrite_all(fd, data, offset)
                 return
@@ -265,13 +266,11 @@ class NvmeBackend(DirectoryBackend):
                         np.frombuffer(block, np.uint8)[tail:] = 0
                     _copy(block[:tail], data[-tail:])
                     _pwrite_all(fd, block, block_offset)
-        except BackendIOError:
-            raise
-        except OSError as error:
-            raise _io_error(error, f"writing {data.nbytes} bytes at offset {offset}") from error
 
     def _read_chunk(self, fd: int, offset: int, out: memoryview) -> None:
-        try:
+        """Read one chunk (on a worker thread); with O_DIRECT, a partial last block is read whole
+        into a bounce buffer and its head copied out."""
+        with _io_errors(f"reading {out.nbytes} bytes at offset {offset}"):
             if not self.direct:
                 _pread_all(fd, out, offset)
                 return
@@ -283,10 +282,6 @@ class NvmeBackend(DirectoryBackend):
                     if got < tail:
                         raise BackendIOError(errno.EIO, f"nvme: file ended {tail - got} bytes early")
                     _copy(out[-tail:], block[:tail])
-        except BackendIOError:
-            raise
-        except OSError as error:
-            raise _io_error(error, f"reading {out.nbytes} bytes at offset {offset}") from error
 
     @staticmethod
     def _direct_head(fd: int, offset: int, data: memoryview, bounce: AlignedBuffer, *, write: bool) -> int:
@@ -328,13 +323,12 @@ class NvmeBackend(DirectoryBackend):
 
     # -- recycled files -----------------------------------------------------------------------------
     def spare_bytes(self) -> int:
-        """Disk space the deleted files kept for recycling hold."""
+        """Implements :meth:`Backend.spare_bytes`: the size of the deleted files kept for reuse."""
         with self._spare_lock:
             return sum(self._spares.values())
 
     def release_spares(self, nbytes: int | None = None) -> int:
-        """Unlink spares, oldest first, until ``nbytes`` are freed (None: all of them); returns the
-        bytes freed."""
+        """Implements :meth:`Backend.release_spares`: unlinks spares, oldest first."""
         freed, doomed = 0, []
         with self._spare_lock:
             while self._spares and (nbytes is None or freed < nbytes):
@@ -347,6 +341,7 @@ class NvmeBackend(DirectoryBackend):
 
     # -- metadata ---------------------------------------------------------------------------------
     def _delete(self, name: str) -> None:
+        """Implements :meth:`Backend._delete`: with O_DIRECT, the file is kept aside as a spare."""
         path = self.root / name
         try:
             if not (self.direct and self.options.recycle):
@@ -372,9 +367,8 @@ class NvmeBackend(DirectoryBackend):
             raise KeyNotFoundError(f"nvme: no object {name!r} in {self.root}") from None
 
     def _copy_from(self, name: str, source: Backend, source_name: str) -> bool:
-        """A hard link where both directories are on one file system, else a copy by ``sendfile``
-        (``shutil.copyfile``) into a new owner-only file; only from another nvme backend, whose
-        objects are plain files too."""
+        """Implements :meth:`Backend._copy_from` from another nvme backend (its objects are plain
+        files too): a hard link on one file system, else ``sendfile`` into an owner-only file."""
         if not isinstance(source, NvmeBackend):
             return False
         origin, target = source.root / source_name, self.root / name
@@ -406,18 +400,22 @@ class NvmeBackend(DirectoryBackend):
         return True
 
     def _exists(self, name: str) -> bool:
+        """Implements :meth:`Backend._exists`."""
         return (self.root / name).is_file()
 
     def _size(self, name: str) -> int:
+        """Implements :meth:`Backend._size`: the file's size."""
         try:
             return os.stat(self.root / name).st_size
         except FileNotFoundError:
             raise KeyNotFoundError(f"nvme: no object {name!r} in {self.root}") from None
 
     def _list(self) -> list[str]:
+        """Implements :meth:`Backend._list`: every file whose name does not start with a dot."""
         return [entry.name for entry in os.scandir(self.root) if not entry.name.startswith(".")]
 
     def _close(self) -> None:
+        """Implements :meth:`Backend._close`: spares and a scratch store's objects are removed."""
         self._pool.shutdown(wait=True)
         with self._spare_lock:
             self._spares.clear()
@@ -453,3 +451,15 @@ def _pread_all(fd: int, out: memoryview, offset: int) -> None:
 
 def _io_error(error: OSError, doing: str) -> BackendIOError:
     return BackendIOError(error.errno or errno.EIO, f"nvme: {doing}: {error.strerror or error}")
+
+
+@contextmanager
+def _io_errors(doing: str) -> Iterator[None]:
+    """Raise an ``OSError`` of the block as a :class:`BackendIOError` saying what was being done
+    (one that is a :class:`BackendIOError` already passes unchanged)."""
+    try:
+        yield
+    except BackendIOError:
+        raise
+    except OSError as error:
+        raise _io_error(error, doing) from error

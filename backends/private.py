@@ -41,7 +41,13 @@ _log = logging.getLogger("tierstore")
 
 
 class PrivateDirectory:
-    """``<root>/.<kind>-<id>``: created owner-only and locked while this instance is open."""
+    """``<root>/.<kind>-<id>``: created owner-only and locked while this instance is open.
+
+    Args:
+        root: the shared directory it is made in (a backend's root).
+        kind: what it holds (``"spares"``, ``"writing"``, ``"scratch"``, ``"checkpoint"``), so
+            that :func:`remove_abandoned` collects each kind where a backend expects it.
+    """
 
     def __init__(self, root: Path, kind: str) -> None:
         self.id = secrets.token_hex(ID_HEX_DIGITS // 2)

@@ -35,7 +35,16 @@ _lock = threading.Lock()
 
 
 def register_backend(cls: type[Backend], name: str | None = None, *, clobber: bool = False) -> None:
-    """Make ``cls`` available under ``name`` (default ``cls.scheme``)."""
+    """Make a backend class available to URLs and config tables.
+
+    Args:
+        cls: the :class:`Backend` subclass.
+        name: the URL scheme and ``type`` it is found by; default ``cls.scheme``.
+        clobber: replace a different class registered under ``name`` (otherwise an error).
+
+    Raises:
+        ConfigError: another class is registered under ``name`` and ``clobber`` is False.
+    """
     key = name or cls.scheme
     with _lock:
         if not clobber and key in _registered and _registered[key] is not cls:
@@ -51,7 +60,15 @@ def available_backends() -> list[str]:
 
 
 def backend_class(name: str) -> type[Backend]:
-    """The backend class registered as ``name``, importing it on first use."""
+    """The backend class registered as ``name``, importing it on first use.
+
+    Args:
+        name: a registry name (:func:`available_backends`), e.g. ``"nvme"``.
+
+    Raises:
+        ConfigError: no backend of that name, or its module needs a package that is not
+            installed (the message says what to install).
+    """
     with _lock:
         if name in _registered:
             return _registered[name]
@@ -81,9 +98,21 @@ def _import(name: str, target: str, *, builtin: bool) -> type[Backend]:
 
 
 def open_backend(spec: str | Mapping[str, Any], *, where: str = "backend") -> Backend:
-    """Open a backend from a URL (``nvme:///data?queue_depth=8``) or a dict (``{"type": ...}``).
+    """Open a backend from a URL or a config table.
 
-    ``where`` names the spec's place in a larger config document, for error messages.
+    Args:
+        spec: a URL, ``scheme://location?option=value&...`` (``nvme:///data?queue_depth=8``,
+            ``zarr+s3://bucket/prefix``), or a mapping with the registry name in ``type`` and
+            the options beside it (``{"type": "nvme", "path": "/data"}``).
+        where: the spec's place in a larger config document (``"tiers.0.backend"``), which
+            error messages name.
+
+    Returns:
+        The open backend.
+
+    Raises:
+        ConfigError: an unknown backend, or options it does not accept (each named).
+        UnwritablePathError: the backend cannot write its medium.
     """
     if isinstance(spec, str):
         parts = urlsplit(spec)

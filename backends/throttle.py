@@ -1,8 +1,9 @@
 """``throttle``: EMULATION of a slower path, a token bucket in front of another backend.
 
-This machine has one disk, and two directories on it share its bandwidth, so paths of different
-speeds (a node-local NVMe beside a parallel file system) are emulated by rate-limiting another
-backend, typically ``dram://``. It is a test and benchmark device, not a production backend::
+Two directories on one disk share its bandwidth, so on a machine with one disk, paths of
+different speeds (a node-local NVMe beside a parallel file system) are emulated by rate-limiting
+another backend, typically ``dram://``. It is a test and benchmark device, not a production
+backend::
 
     {"type": "throttle", "inner": "dram://", "read_bytes_per_s": "400MB", "write_bytes_per_s": "400MB"}
 
@@ -25,12 +26,16 @@ from .wrapper import WrapperBackend, WrapperOptions
 
 
 class ThrottleOptions(WrapperOptions):
+    """Options of ``throttle://`` (``inner`` is the backend slowed down)."""
+
     read_bytes_per_s: ByteSize | None = None
     """Read rate (None: unlimited)."""
     write_bytes_per_s: ByteSize | None = None
+    """Write rate (None: unlimited)."""
     piece_bytes: ByteSize = Field(ByteSize(1 << 20), ge=4096)
     """Pacing granularity (rounded up to the inner backend's alignment)."""
     workers: int = Field(8, ge=1, le=256)
+    """Requests served at once; more wait in a queue."""
 
 
 class Pacer:
@@ -39,6 +44,9 @@ class Pacer:
     A virtual clock, not a bucket with burst credit: a piece that arrives at an idle link finishes
     ``nbytes / rate`` after its I/O began, and concurrent pieces queue behind one another, so a
     measurement of any length sees exactly ``rate`` (or the inner backend's speed, if slower).
+
+    Args:
+        rate: the link's bytes per second; None leaves it unlimited.
     """
 
     def __init__(self, rate: float | None) -> None:
@@ -47,6 +55,7 @@ class Pacer:
         self._lock = threading.Lock()
 
     def set_rate(self, rate: float | None) -> None:
+        """Change the link's rate (bytes per second; None: unlimited) for pieces paced from now on."""
         with self._lock:
             self.rate = rate
 
@@ -63,7 +72,11 @@ class Pacer:
 
 
 class ThrottleBackend(WrapperBackend):
-    """Another backend, slowed to a configured rate (emulation; see the module docstring)."""
+    """Another backend, slowed to a configured rate (emulation; see the module docstring).
+
+    Args:
+        options: a :class:`ThrottleOptions`.
+    """
 
     scheme = "throttle"
     Options = ThrottleOptions
@@ -81,7 +94,15 @@ class ThrottleBackend(WrapperBackend):
         self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="tierstore-throttle")
 
     def set_rates(self, *, read: float | None = None, write: float | None = None) -> None:
-        """New rates in bytes/s (None leaves that direction unchanged)."""
+        """Change the rates at run time (a path that slows down mid-run).
+
+        Args:
+            read: the new read rate in bytes/s; None leaves it unchanged.
+            write: the new write rate in bytes/s; None leaves it unchanged.
+
+        Raises:
+            ConfigError: a rate that is not a number above 0.
+        """
         for direction, rate in (("read", read), ("write", write)):
             if rate is not None and (
                 isinstance(rate, bool) or not isinstance(rate, int | float) or rate <= 0
@@ -93,9 +114,11 @@ class ThrottleBackend(WrapperBackend):
             self._pacers["write"].set_rate(write)
 
     def rates(self) -> dict[str, float | None]:
+        """The current rates in bytes/s by direction (``"read"``, ``"write"``); None: unlimited."""
         return {direction: pacer.rate for direction, pacer in self._pacers.items()}
 
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._write`: paced piece by piece (whole objects in one piece)."""
         return self._pool.submit(self._write_now, name, offset, data)
 
     def _write_now(self, name: str, offset: int, data: memoryview) -> None:
@@ -112,6 +135,7 @@ class ThrottleBackend(WrapperBackend):
             pacer.pace(piece.nbytes, began)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        """Implements :meth:`Backend._read_into`: paced piece by piece."""
         return self._pool.submit(self._read_now, name, offset, out)
 
     def _read_now(self, name: str, offset: int, out: memoryview) -> None:
@@ -123,6 +147,7 @@ class ThrottleBackend(WrapperBackend):
             pacer.pace(piece.nbytes, began)
 
     def _close(self) -> None:
+        """Implements :meth:`Backend._close`: waits for paced requests, then closes ``inner``."""
         self._pool.shutdown(wait=True)
         super()._close()
 

@@ -15,6 +15,8 @@ from .registry import open_backend
 
 
 class WrapperOptions(BackendOptions):
+    """Options of a backend in front of another one."""
+
     inner: str | dict[str, Any]
     """The wrapped backend (URL or table)."""
 
@@ -22,7 +24,15 @@ class WrapperOptions(BackendOptions):
 class WrapperBackend(Backend):
     """A backend in front of another (``inner``): same capabilities, and the metadata operations
     pass straight through. The test and emulation wrappers (``throttle``, ``fault``) build on it
-    and override only the data path."""
+    and override only the data path.
+
+    Args:
+        options: a :class:`WrapperOptions` (or a subclass's); ``inner`` is opened at once and
+            closed with this backend.
+
+    Raises:
+        ConfigError: ``inner`` is not a valid backend URL or table (named as ``<scheme>.inner``).
+    """
 
     Options: ClassVar[type[BackendOptions]] = WrapperOptions
 
@@ -33,35 +43,46 @@ class WrapperBackend(Backend):
 
     @classmethod
     def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        return dict(query)  # e.g. fault://?inner=dram://
+        """Implements :meth:`Backend.options_from_url`: all in the query (``fault://?inner=dram://``)."""
+        return dict(query)
 
     @property
     def capabilities(self) -> Capabilities:
+        """Implements :attr:`Backend.capabilities`: those of ``inner``."""
         return self.inner.capabilities
 
     def _delete(self, name: str) -> None:
+        """Implements :meth:`Backend._delete` by ``inner``'s."""
         self.inner.delete(name)
 
     def _exists(self, name: str) -> bool:
+        """Implements :meth:`Backend._exists` by ``inner``'s."""
         return self.inner.exists(name)
 
     def _size(self, name: str) -> int:
+        """Implements :meth:`Backend._size` by ``inner``'s."""
         return self.inner.size(name)
 
     def _list(self) -> builtins.list[str]:
+        """Implements :meth:`Backend._list` by ``inner``'s."""
         return self.inner.list()
 
     def spare_bytes(self) -> int:
+        """Implements :meth:`Backend.spare_bytes` by ``inner``'s."""
         return self.inner.spare_bytes()
 
     def release_spares(self, nbytes: int | None = None) -> int:
+        """Implements :meth:`Backend.release_spares` by ``inner``'s."""
         return self.inner.release_spares(nbytes)
 
     def location(self) -> Location | None:
+        """Implements :meth:`Backend.location`: ``inner``'s medium."""
         return self.inner.location()
 
     def claim_scratch(self) -> None:
+        """Implements :meth:`Backend.claim_scratch` by ``inner``'s."""
         self.inner.claim_scratch()
 
     def _close(self) -> None:
+        """Implements :meth:`Backend._close`: ``inner`` is closed."""
         self.inner.close()

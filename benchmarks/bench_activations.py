@@ -1,6 +1,6 @@
 """Activation spill: keep-in-memory, full recompute, and tierstore's ``all`` and ``lifetime`` plans.
 
-Every variant trains the same GPT-style model (``tierstore.testing.gpt``) on the same batches, in
+Every variant trains the same GPT-style model (``tierstore.demo``) on the same batches, in
 a fresh process of its own, and the variants alternate within each repeat. Figures are medians
 over the steady steps (after the lifetime plan's profile and build steps) of every repeat.
 
@@ -38,7 +38,7 @@ from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
-from tierstore.testing.gpt import GPT, batch_of, byte_corpus
+from tierstore.demo import GPT, batch_of, byte_corpus
 
 VARIANTS = ("keep", "recompute", "tierstore-all", "tierstore-lifetime")
 ALLOCATORS: dict[str, dict[str, str]] = {"default": {}, "mmap-1MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}

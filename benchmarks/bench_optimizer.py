@@ -91,7 +91,7 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             measured during it, and the step's own compute time."""
             plan = plan_pass(
                 store.bandwidths()["nvme"],
-                stager.working_bytes + stager.pool.capacity,
+                stager.working_bytes + stager.area.capacity,
                 [3 * FP32 * numel] * count,
                 working_bytes=stager.working_bytes,
                 compute_seconds=optimizer.compute_seconds,

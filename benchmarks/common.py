@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierstore.arguments import positive_byte_size
+from tierstore.arguments import positive_int as positive_int  # the scripts take it from here
 from tierstore.buffers import AlignedBuffer
-from tierstore.config import parse_byte_size
-from tierstore.errors import ConfigError
 
 FIO_BLOCK = 4 << 20
 """fio's --bs (fio reads "4M" as 4 MiB)."""
@@ -46,15 +46,8 @@ FIO_ARGS = [
 
 
 # -- arguments -------------------------------------------------------------------------------------
-def parse_size(text: str) -> int:
-    """Parse ``"64MiB"``, ``"1GiB"``, ``"4096"`` into a positive byte count (argparse type)."""
-    try:
-        nbytes = parse_byte_size(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if nbytes <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return nbytes
+parse_size = positive_byte_size
+"""``"64MiB"``, ``"1GiB"``, ``"4096"`` as a byte count of at least 1 (argparse type)."""
 
 
 def parse_fio_sizes(text: str) -> list[int]:
@@ -68,13 +61,6 @@ def parse_fio_sizes(text: str) -> list[int]:
             f"sizes must be multiples of fio's block size (4MiB): {', '.join(odd)}"
         )
     return sizes
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def format_size(nbytes: int) -> str:

@@ -20,16 +20,16 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
+from .._closeable import Closeable
 from ..backends import Backend
 from ..backends.private import PrivateDirectory, owner_ids, remove_abandoned
 from ..config import StoreConfig, TierConfig
 from ..errors import BackendIOError, ConfigError, KeyNotFoundError, OutOfRangeError, StoreClosedError
 from ..limits import Priority
 from ..tier import Placement, Tier
-from .layout import Committed, ObjectTable, decode_record, encode_record, record_name, session_of
+from .layout import FORMAT, Committed, ObjectTable, decode_record, encode_record, record_name, session_of
 
 SESSION_KIND = "checkpoint"
 
@@ -145,7 +145,7 @@ class CheckpointTier:
         committed_at = time.time_ns()
         record = self.new_name("c", f"{name}-")
         payload = {
-            "format": 1,
+            "format": FORMAT,
             "record": record,
             "name": name,
             "save_id": save_id,
@@ -251,7 +251,7 @@ class CheckpointTier:
             self._session = None
 
 
-class TierSet:
+class TierSet(Closeable):
     """The config's tiers opened for checkpoints: what the writer and the reader share."""
 
     def __init__(self, tiers: list[CheckpointTier]) -> None:
@@ -268,14 +268,6 @@ class TierSet:
             self._closed = True
             for tier in self._tiers:
                 tier.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def _check_open(self) -> None:
         if self._closed:

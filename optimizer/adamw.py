@@ -20,8 +20,8 @@ import torch
 from ..errors import BufferMismatchError, ConfigError
 from ..store import TierStore
 from .engine import StagedOptimizer, is_real
+from .options import CachePolicy
 from .partition import Piece, SubGroup
-from .staging import CachePolicy
 
 STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 """A sub-group's state, in object order (as named in a state dict); the last for ``amsgrad`` only."""
@@ -85,34 +85,7 @@ class OffloadedAdamW(StagedOptimizer):
             whole_params=False,
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim`` format (``max_exp_avg_sq`` for ``amsgrad`` groups), plus each parameter's
-        fp32 ``master_param``. Sub-groups cached in DRAM are written to the store first, so the store
-        holds the same state as the dict."""
-        self._check_open()
-        self.stager.flush()
-        state = {
-            i: {"step": torch.tensor(float(steps)), **parts}
-            for i, (steps, parts) in enumerate(zip(self.param_steps, self._gather(), strict=True))
-        }
-        return {
-            "state": state,
-            "param_groups": self._state_dict_groups(),
-            "step_count": self.step_count,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (same parameter shapes); the store is rewritten. Each
-        parameter's ``step`` is its own count (a parameter without an entry has taken none, as in
-        torch); dicts saved before per-parameter counts hold the global count in every entry."""
-        self._check_open()
-        state = state_dict["state"]
-        self._restore_groups(state_dict["param_groups"])
-        entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
-        param_steps = [0 if entry is None else int(entry.get("step", 0)) for entry in entries]
-        self.step_count = int(state_dict.get("step_count", max(param_steps, default=0)))
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+    def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
         for i, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
             for name in STATE_PARTS:
                 if entry is not None and name in entry and entry[name].shape != param.shape:
@@ -120,9 +93,6 @@ class OffloadedAdamW(StagedOptimizer):
                         f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "
                         f"the parameter {tuple(param.shape)}"
                     )
-        self.param_steps = param_steps
-        self.stager.drop_resident()
-        self._write_all(state)
 
     # -- the layout and the kernel ---------------------------------------------------------------------
     def _check_group(self, group: dict[str, Any], where: str) -> None:
@@ -195,9 +165,10 @@ class OffloadedAdamW(StagedOptimizer):
                 else:
                     window.zero_()
 
-    def _gather(self) -> list[dict[str, torch.Tensor]]:
-        """Per parameter, its state parts as whole fp32 tensors of its shape."""
-        gathered: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
+    def _state_entries(self) -> list[dict[str, Any]]:
+        """Per parameter, its state parts (:data:`STATE_PARTS`: ``torch.optim.AdamW``'s, and the fp32
+        ``master_param``) as whole fp32 tensors of its shape."""
+        gathered: list[dict[str, Any]] = [{} for _ in self.params]
         for sg in self.subgroups:
             for part, row in self._rows(sg, self.stager.read(sg.index)).items():
                 for piece in sg.pieces:

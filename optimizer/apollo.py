@@ -24,12 +24,13 @@ from typing import Any, Literal
 
 import torch
 
+from .._checks import is_integer
 from ..errors import BufferMismatchError, ConfigError
 from ..store import TierStore
 from .adamw import _check_hyperparameters
 from .engine import StagedOptimizer, is_real
+from .options import CachePolicy
 from .partition import Piece, SubGroup
-from .staging import CachePolicy, _is_integer
 
 PROJECTION_DEFAULTS: dict[str, Any] = {
     "proj": "random",
@@ -91,6 +92,12 @@ class OffloadedAPOLLO(StagedOptimizer):
     """
 
     LAYOUT_KEYS = ("rank", "proj_type")
+    SHARDED_PARAMETERS = (
+        "APOLLO needs whole matrices (its random projection mixes every row of a gradient, its "
+        "norm-growth limiter takes whole-tensor norms), while FSDP2's fully_shard gives each rank some "
+        "rows only; on those alone the step would not be APOLLO's. Use "
+        "tierstore.integrations.fsdp.FSDPOffloadedAdamW (element-wise) with FSDP2"
+    )
 
     def __init__(
         self,
@@ -144,43 +151,28 @@ class OffloadedAPOLLO(StagedOptimizer):
         from 1 across groups and advances a seed at each refresh)."""
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim`` format: per parameter ``step``, ``exp_avg`` and ``exp_avg_sq`` (low-rank
-        for APOLLO matrices), ``master_param``, and for APOLLO matrices the projection ``seed`` and,
-        once set, ``scaled_grad`` (the limiter's last norm). Kept sub-groups are flushed first."""
-        self._check_open()
-        self.stager.flush()
-        state: dict[int, dict[str, Any]] = {}
+    def _state_entries(self) -> list[dict[str, Any]]:
+        """``exp_avg`` and ``exp_avg_sq`` (low-rank for APOLLO matrices) and ``master_param``, and
+        for APOLLO matrices the projection ``seed`` and, once set, ``scaled_grad`` (the limiter's
+        last norm)."""
+        entries: list[dict[str, Any]] = [{} for _ in self.params]
         for sg in self.subgroups:
             blob = self.stager.read(sg.index)
             for slot in self._layout(sg):
                 i = slot.piece.param
                 master, exp_avg, exp_avg_sq, scaled = self._views(slot, blob)
-                entry: dict[str, Any] = {
-                    "step": torch.tensor(float(self.param_steps[i])),
+                entries[i] = {
                     "exp_avg": exp_avg.clone(),
                     "exp_avg_sq": exp_avg_sq.clone(),
                     "master_param": master.clone(),
                 }
                 if scaled is not None:
-                    entry["seed"] = self.seeds[i]
+                    entries[i]["seed"] = self.seeds[i]
                     if self.param_steps[i] > 0 and not self.disable_nl:
-                        entry["scaled_grad"] = scaled.clone()
-                state[i] = entry
-        return {
-            "state": dict(sorted(state.items())),
-            "param_groups": self._state_dict_groups(),
-            "step_count": self.step_count,
-            "skipped_steps": self.skipped_steps,
-        }
+                        entries[i]["scaled_grad"] = scaled.clone()
+        return entries
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (same parameters, same ranks and projection types); the store
-        is rewritten."""
-        self._check_open()
-        self._restore_groups(state_dict["param_groups"])
-        state = state_dict["state"]
-        entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
+    def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
         slots = {slot.piece.param: slot for sg in self.subgroups for slot in self._layout(sg)}
         for i, entry in enumerate(entries):
             slot = slots[i]
@@ -194,15 +186,12 @@ class OffloadedAPOLLO(StagedOptimizer):
                         f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "
                         f"this optimizer's is {tuple(shape)}"
                     )
-        self.param_steps = [0 if entry is None else int(entry.get("step", 0)) for entry in entries]
+
+    def _restore_entries(self, entries: list[dict[str, Any] | None]) -> None:
         self.seeds = [
             number + 1 if entry is None else int(entry.get("seed", number + 1))
             for number, entry in enumerate(entries)
         ]
-        self.step_count = int(state_dict.get("step_count", max(self.param_steps, default=0)))
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.stager.drop_resident()
-        self._write_all(state)
 
     def _snapshot_metadata(self) -> dict[str, Any]:
         return {"seeds": self.seeds, "state_numels": [self.state_numel(sg) for sg in self.subgroups]}
@@ -390,7 +379,7 @@ def _check_group(group: dict[str, Any], where: str) -> None:
         return
     for key, value in PROJECTION_DEFAULTS.items():
         group.setdefault(key, value)
-    if not _is_integer(group["rank"]) or group["rank"] < 1:
+    if not is_integer(group["rank"]) or group["rank"] < 1:
         raise ConfigError(f"{where}rank: must be a positive integer, got {group['rank']!r}")
     if group["proj"] != "random":
         raise ConfigError(
@@ -401,7 +390,7 @@ def _check_group(group: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}scale_type: must be 'tensor' or 'channel', got {group['scale_type']!r}")
     if not is_real(group["scale"]) or group["scale"] <= 0.0:
         raise ConfigError(f"{where}scale: must be a positive number, got {group['scale']!r}")
-    if not _is_integer(group["update_proj_gap"]) or group["update_proj_gap"] < 1:
+    if not is_integer(group["update_proj_gap"]) or group["update_proj_gap"] < 1:
         raise ConfigError(
             f"{where}update_proj_gap: must be a positive integer, got {group['update_proj_gap']!r}"
         )

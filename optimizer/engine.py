@@ -10,8 +10,9 @@ for every optimizer:
    unscaling and clipping; each parameter counts its own steps, only those on which it has a
    gradient (bias correction, as in torch);
 2. visits the sub-groups forward on odd steps and in reverse on even ones (MLP-Offload's
-   cache-friendly order) through a :class:`~tierstore.optimizer.staging.SubGroupStager`: read-ahead
-   ring, background write-back, and the kept set the I/O model chooses;
+   cache-friendly :func:`~tierstore.optimizer.staging.pass_order`) through a
+   :class:`~tierstore.optimizer.staging.SubGroupStager`: read-ahead ring, background write-back,
+   and the kept set the I/O model chooses;
 3. per sub-group, converts its gradients into one reused fp32 buffer (delayed, in place) and hands
    them to the optimizer's kernel, then copies the new master weights into the model's
    parameters: a cache-sized piece at a time for an element-wise kernel (AdamW), whole parameters
@@ -33,12 +34,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._checks import is_integer
 from ..buffers import aligned_tensor
 from ..errors import BufferMismatchError, ConfigError, StoreClosedError, TierStoreError
 from ..snapshot import export_hdf5, open_snapshot
 from ..store import TierStore
+from .options import CachePolicy
 from .partition import Piece, SubGroup, partition, partition_whole
-from .staging import FP32, CachePolicy, SubGroupStager, _is_integer
+from .staging import FP32, SubGroupStager, pass_order
 
 GRADIENT_CHUNK = 1 << 19
 """fp32 elements converted at a time for the norm and for element-wise kernels (2 MiB: with the
@@ -69,6 +72,13 @@ class StagedOptimizer(torch.optim.Optimizer):
     LAYOUT_KEYS: ClassVar[tuple[str, ...]] = ()
     """Group keys the layout of a group's state depends on."""
 
+    SHARDED_PARAMETERS: ClassVar[str | None] = (
+        "its state is laid out over whole parameters; for FSDP2's fully_shard use "
+        "tierstore.integrations.fsdp.FSDPOffloadedAdamW, which stages each rank's local shards"
+    )
+    """Why ``DTensor`` parameters (FSDP2's shards) are refused (a :class:`ConfigError` saying so), or
+    None for an optimizer that steps them."""
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -84,11 +94,11 @@ class StagedOptimizer(torch.optim.Optimizer):
         whole_params: bool,
         compute_threads: int | None = None,
     ) -> None:
-        if not _is_integer(sub_group_size) or sub_group_size < 1:
+        if not is_integer(sub_group_size) or sub_group_size < 1:
             raise ConfigError(f"sub_group_size: must be a positive integer, got {sub_group_size!r}")
         if max_grad_norm is not None and not (is_real(max_grad_norm) and max_grad_norm > 0.0):
             raise ConfigError(f"max_grad_norm: must be None or a positive number, got {max_grad_norm!r}")
-        if compute_threads is not None and (not _is_integer(compute_threads) or compute_threads < 1):
+        if compute_threads is not None and (not is_integer(compute_threads) or compute_threads < 1):
             raise ConfigError(f"compute_threads: must be None or an integer >= 1, got {compute_threads!r}")
         self._layouts: list[dict[str, Any]] = []
         """Per group, its :attr:`LAYOUT_KEYS` as they were when it was added."""
@@ -153,6 +163,20 @@ class StagedOptimizer(torch.optim.Optimizer):
     def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
         """The master weights of each piece, as views into ``state``."""
 
+    @abstractmethod
+    def _state_entries(self) -> list[dict[str, Any]]:
+        """Per parameter, its state as a state dict holds it (``step`` aside), read from DRAM or
+        the store."""
+
+    @abstractmethod
+    def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
+        """Refuse a state dict's per-parameter entries (None: the parameter has none) that do not
+        fit this optimizer's parameters, with a :class:`BufferMismatchError`, before anything is
+        restored."""
+
+    def _restore_entries(self, entries: list[dict[str, Any] | None]) -> None:
+        """Take back what a state dict's entries hold beside the state objects and step counts."""
+
     # -- public -----------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group, as ``torch.optim.Optimizer.add_param_group``: keys it leaves out
@@ -182,6 +206,12 @@ class StagedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             for param in group["params"]:
+                if self.SHARDED_PARAMETERS is not None and _is_dtensor(param):
+                    raise ConfigError(
+                        f"param_groups.{number}.params: a DTensor parameter of shape {tuple(param.shape)} "
+                        f"(sharded by FSDP2 or tensor parallelism); {type(self).__name__} cannot step it: "
+                        f"{self.SHARDED_PARAMETERS}"
+                    )
                 if not param.is_contiguous() or param.device.type != "cpu":
                     raise BufferMismatchError(f"{type(self).__name__} needs contiguous CPU parameters")
             self._check_group(group, f"param_groups.{number}.")
@@ -220,9 +250,7 @@ class StagedOptimizer(torch.optim.Optimizer):
                     f"{param.grad.layout} gradient; only dense gradients are supported (e.g. "
                     "nn.Embedding(sparse=False)); nothing was updated"
                 )
-        order = [sg.index for sg in self.subgroups]
-        if (self.step_count + 1) % 2 == 0:
-            order.reverse()
+        order = pass_order(len(self.subgroups), self.step_count + 1)
         # The pass's first reads run while the gradient norm is taken: the norm is a full pass
         # over the gradients, time the disk would otherwise sit idle.
         self.stager.begin_pass(order, {sg.index: self.state_numel(sg) for sg in self.subgroups})
@@ -248,6 +276,40 @@ class StagedOptimizer(torch.optim.Optimizer):
         finally:
             self.stager.end_pass()
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim``'s format: per parameter its ``step`` (its own count) and its state
+        (:meth:`_state_entries`), the groups with their parameters' indices, and the optimizer's
+        step counts. Sub-groups kept in DRAM are written to the store first, so the store holds
+        the same state as the dict."""
+        self._check_open()
+        self.stager.flush()
+        entries = self._state_entries()
+        return {
+            "state": {
+                i: {"step": torch.tensor(float(steps)), **entry}
+                for i, (steps, entry) in enumerate(zip(self.param_steps, entries, strict=True))
+            },
+            "param_groups": self._state_dict_groups(),
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (same parameters and state layout); the store is rewritten.
+        Each parameter's ``step`` is its own count (a parameter without an entry has taken none, as
+        in torch); dicts saved before per-parameter counts hold the global count in every entry."""
+        self._check_open()
+        self._restore_groups(state_dict["param_groups"])
+        state = state_dict["state"]
+        entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
+        self._check_entries(entries)
+        self.param_steps = [0 if entry is None else int(entry.get("step", 0)) for entry in entries]
+        self._restore_entries(entries)
+        self.step_count = int(state_dict.get("step_count", max(self.param_steps, default=0)))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.stager.drop_resident()
+        self._write_all(state)
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 master weights, one tensor per parameter (read from DRAM or the store)."""
@@ -383,12 +445,9 @@ class StagedOptimizer(torch.optim.Optimizer):
         the pieces' offsets; ``whole_params`` optimizers only), times the coefficient. A piece without
         a gradient is left out: as in torch, no gradient means no update and no weight decay."""
         grads = []
-        for piece in sg.pieces:
-            grad = self.params[piece.param].grad
-            if grad is None:
-                continue
+        for piece, flat in self._pieces_with_gradients(sg):
             converted = self._grad[piece.offset : piece.offset + piece.length]
-            converted.copy_(grad.view(-1)[piece.param_offset : piece.param_offset + piece.length])
+            converted.copy_(flat[piece.param_offset : piece.param_offset + piece.length])
             grads.append((piece, converted))
         if grads and coefficient != 1.0:
             self._grad[: sg.numel].mul_(coefficient)
@@ -405,11 +464,7 @@ class StagedOptimizer(torch.optim.Optimizer):
         room = self._grad.numel()
         chunk: list[tuple[Piece, torch.Tensor]] = []
         used = 0
-        for piece in sg.pieces:
-            grad = self.params[piece.param].grad
-            if grad is None:
-                continue
-            flat = grad.view(-1)
+        for piece, flat in self._pieces_with_gradients(sg):
             done = 0
             while done < piece.length:
                 take = min(piece.length - done, room - used)
@@ -424,6 +479,13 @@ class StagedOptimizer(torch.optim.Optimizer):
                     chunk, used = [], 0
         if chunk:
             yield self._scaled(chunk, used, coefficient)
+
+    def _pieces_with_gradients(self, sg: SubGroup) -> Iterator[tuple[Piece, torch.Tensor]]:
+        """The sub-group's pieces whose parameter has a gradient, each with that gradient flat."""
+        for piece in sg.pieces:
+            grad = self.params[piece.param].grad
+            if grad is not None:
+                yield piece, grad.view(-1)
 
     def _scaled(
         self, chunk: list[tuple[Piece, torch.Tensor]], used: int, coefficient: float
@@ -492,6 +554,12 @@ class StagedOptimizer(torch.optim.Optimizer):
             groups[-1]["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
         return groups
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ``torch.distributed.tensor.DTensor`` (without importing
+    torch.distributed where it is absent)."""
+    return type(param).__name__ == "DTensor" and type(param).__module__.startswith("torch.distributed")
 
 
 def is_real(value: object) -> bool:

@@ -8,7 +8,7 @@ the store, read, updated and written back together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -34,43 +34,63 @@ class SubGroup:
 
 def partition(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) -> list[SubGroup]:
     """Sub-groups of every parameter group; ``groups`` lists (param index, numel) per group."""
-    if sub_group_size < 1:
-        raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
-    subgroups: list[SubGroup] = []
-    for group, params in enumerate(groups):
-        pieces: list[Piece] = []
-        filled = 0
-        for param, numel in params:
-            done = 0
-            while done < numel:
-                length = min(numel - done, sub_group_size - filled)
-                pieces.append(Piece(param, done, filled, length))
-                done += length
-                filled += length
-                if filled == sub_group_size:
-                    subgroups.append(SubGroup(len(subgroups), group, filled, tuple(pieces)))
-                    pieces, filled = [], 0
-        if pieces:
-            subgroups.append(SubGroup(len(subgroups), group, filled, tuple(pieces)))
-    return subgroups
+    cut = _Cutter(sub_group_size)
+    for param, numel in cut.walk(groups):
+        done = 0
+        while done < numel:
+            length = min(numel - done, cut.room)
+            cut.add(param, done, length)
+            done += length
+            if cut.room == 0:
+                cut.close()
+    return cut.subgroups
 
 
 def partition_whole(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) -> list[SubGroup]:
     """As :func:`partition`, but a parameter is never cut: it joins the current sub-group while that
     stays within ``sub_group_size``, else starts the next one (alone, if it is larger). For
     optimizers that need whole matrices (APOLLO projects each one)."""
-    if sub_group_size < 1:
-        raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
-    subgroups: list[SubGroup] = []
-    for group, params in enumerate(groups):
-        pieces: list[Piece] = []
-        filled = 0
-        for param, numel in params:
-            if pieces and filled + numel > sub_group_size:
-                subgroups.append(SubGroup(len(subgroups), group, filled, tuple(pieces)))
-                pieces, filled = [], 0
-            pieces.append(Piece(param, 0, filled, numel))
-            filled += numel
-        if pieces:
-            subgroups.append(SubGroup(len(subgroups), group, filled, tuple(pieces)))
-    return subgroups
+    cut = _Cutter(sub_group_size)
+    for param, numel in cut.walk(groups):
+        if cut.pieces and numel > cut.room:
+            cut.close()
+        cut.add(param, 0, numel)
+    return cut.subgroups
+
+
+class _Cutter:
+    """The sub-groups cut so far and the one being filled, in one parameter group at a time."""
+
+    def __init__(self, sub_group_size: int) -> None:
+        if sub_group_size < 1:
+            raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
+        self.size = sub_group_size
+        self.subgroups: list[SubGroup] = []
+        self.group = 0
+        self.pieces: list[Piece] = []
+        self.filled = 0
+
+    @property
+    def room(self) -> int:
+        """Elements the current sub-group takes before it is full (negative past a whole
+        parameter larger than a sub-group)."""
+        return self.size - self.filled
+
+    def add(self, param: int, param_offset: int, length: int) -> None:
+        self.pieces.append(Piece(param, param_offset, self.filled, length))
+        self.filled += length
+
+    def close(self) -> None:
+        """End the current sub-group, if it holds anything."""
+        if self.pieces:
+            self.subgroups.append(SubGroup(len(self.subgroups), self.group, self.filled, tuple(self.pieces)))
+            self.pieces, self.filled = [], 0
+
+    def walk(self, groups: Sequence[Sequence[tuple[int, int]]]) -> Iterator[tuple[int, int]]:
+        """Each (param index, numel) of ``groups`` in order, closing the current sub-group where a
+        parameter group ends (sub-groups never span two) and after the last."""
+        for group, params in enumerate(groups):
+            self.close()
+            self.group = group
+            yield from params
+        self.close()

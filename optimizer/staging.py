@@ -7,15 +7,18 @@ and written after it. The stager owns the buffers and the policies that make tha
 * a read-ahead ring of ``prefetch_depth`` buffers, filled in pass order while the current
   sub-group is updated;
 * write-back in the background, a buffer returning to the pool once its write is done;
-* the sub-groups kept in DRAM at the end of a pass (MLP-Offload's cache-friendly order: the next,
-  reversed pass starts with them), chosen by the I/O model, the static last-K rule, or none;
-  a kept sub-group skips its write now and its read next pass.
+* the sub-groups kept in DRAM at the end of a pass (MLP-Offload's cache-friendly order,
+  :func:`pass_order`: the next, reversed pass starts with them), chosen by the I/O model, the
+  static last-K rule, or none; a kept sub-group skips its write now and its read next pass.
 
-The DRAM it holds is bounded up front: ``prefetch_depth`` ring buffers the size of the largest
-sub-group (the working set), and a :class:`~tierstore.buffers.BufferPool` over the rest of the
-budget that holds kept sub-groups at their own size (so sub-groups of uneven size, APOLLO's whole
-parameters say, are kept by bytes, not by count) and lends the ring extra buffers while it has room.
-The optimizer's state layout is its own: the stager sees only a named fp32 object per sub-group.
+The DRAM it holds is bounded up front and reserved from the store's ledger as one
+:class:`~tierstore.staging.StagingArea` (``"optimizer <namespace>"``): ``prefetch_depth`` ring
+buffers the size of the largest sub-group and the caller's own gradient buffer (the working set),
+and the area's pool over the rest of the budget (page-rounded, as every buffer is), which holds
+kept sub-groups at their own size (so sub-groups of uneven size, APOLLO's whole parameters say, are kept
+by bytes, not by count) and lends the ring extra buffers while it has room. The buffers are not
+pinned: both optimizers update their state on the CPU, and no device copy reads them. The
+optimizer's state layout is its own: the stager sees only a named fp32 object per sub-group.
 """
 
 from __future__ import annotations
@@ -24,18 +27,28 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Literal
 
 import torch
 
-from ..buffers import AlignedBuffer, BufferPool, aligned_tensor, round_up
+from .._checks import check_arguments
+from ..buffers import AlignedBuffer, aligned_tensor, round_up
 from ..errors import CapacityError, ConfigError, InvalidKeyError
-from ..memory import MemoryLedger, Reservation
-from ..model import PathSpeed, plan_pass
+from ..model import keep_from_end, last_that_fit
 from ..store import TierStore
+from .options import CachePolicy, StagingOptions
 
-CachePolicy = Literal["model", "static", "none"]
 FP32 = 4
+
+
+def pass_order(count: int, pass_number: int, *, alternate: bool = True) -> list[int]:
+    """The order in which pass ``pass_number`` (counted from 1) visits sub-groups ``0..count-1``:
+    forward, and with ``alternate`` every even-numbered pass in reverse (MLP-Offload's
+    cache-friendly order: each pass starts with the sub-groups the previous one ended with, which
+    the stager kept in DRAM)."""
+    order = list(range(count))
+    if alternate and pass_number % 2 == 0:
+        order.reverse()
+    return order
 
 
 class SubGroupStager:
@@ -53,7 +66,8 @@ class SubGroupStager:
     on the store for ``owner`` (:attr:`TierStore.namespaces`), so a second stager, optimizer or
     other workload writing the same keys is refused with
     :class:`~tierstore.errors.NamespaceInUseError` instead of overwriting them. The claim and the
-    DRAM reservation last until :meth:`close` (or :meth:`abandon`, or garbage collection).
+    staging area (``dram_budget`` bytes of the store's ledger) last until :meth:`close` (or
+    :meth:`abandon`, or garbage collection).
     """
 
     def __init__(
@@ -68,7 +82,10 @@ class SubGroupStager:
         reserved_bytes: int = 0,
         owner: str = "SubGroupStager",
     ) -> None:
-        _check_settings(dram_budget, prefetch_depth, cache_policy)
+        check_arguments(
+            StagingOptions,
+            {"dram_budget": dram_budget, "prefetch_depth": prefetch_depth, "cache_policy": cache_policy},
+        )
         self.store = store
         self.prefetch_depth = prefetch_depth
         self.cache_policy = cache_policy
@@ -79,10 +96,10 @@ class SubGroupStager:
         working = self.working_bytes
         self._budget_follows = dram_budget is None
         """No budget given: it is the working set, and follows it when :meth:`grow` enlarges it."""
-        self.dram_budget = working if dram_budget is None else dram_budget
-        if self.dram_budget < working:
+        budget = working if dram_budget is None else dram_budget
+        if budget < working:
             raise CapacityError(
-                f"dram_budget of {self.dram_budget} bytes is below the working set of {working} bytes "
+                f"dram_budget of {budget} bytes is below the working set of {working} bytes "
                 f"({prefetch_depth} sub-group buffers of {self.slot_bytes}"
                 + (f" + {reserved_bytes} for gradients)" if reserved_bytes else ")")
             )
@@ -92,18 +109,15 @@ class SubGroupStager:
             raise ConfigError(f"namespace: {error} (it prefixes the store keys)") from None
         self._unclaim = weakref.finalize(self, store.namespaces.release, self.claim)
         self.namespace = self.claim.namespace
-        self._reservations: list[Reservation] = []
-        self._unreserve = weakref.finalize(self, _release_all, store.memory, self._reservations)
         try:
-            self._reserve(self.dram_budget)
-        except CapacityError:
+            self.area = store.staging(
+                f"optimizer {self.namespace}", budget, pin=False, pool_bytes=round_up(budget - working)
+            )
+        except BaseException:
             self._unclaim()
             raise
         self.buffers = [aligned_tensor(self.slot_bytes // FP32) for _ in range(prefetch_depth)]
         """The read-ahead ring: each buffer holds the largest sub-group."""
-        self.pool = BufferPool(round_up(self.dram_budget - working), pin=False)
-        """The rest of the budget (page-rounded, as every buffer is): kept sub-groups at their own
-        size, and extra buffers for the ring while it has room."""
         self._pooled: dict[int, AlignedBuffer] = {}
         """Pool buffers handed out, by the address of their fp32 view."""
         self._free: list[torch.Tensor] = list(self.buffers)
@@ -121,9 +135,14 @@ class SubGroupStager:
         """The order of the pass begun and not yet ended."""
 
     @property
+    def dram_budget(self) -> int:
+        """Bytes of DRAM the stager holds at most: the working set and the room to keep sub-groups."""
+        return self.area.budget
+
+    @property
     def kept_bytes(self) -> int:
         """DRAM the pool holds now (kept sub-groups and buffers lent to the ring)."""
-        return self.pool.allocated_bytes
+        return self.area.pool.allocated_bytes
 
     # -- a pass ---------------------------------------------------------------------------------
     def begin_pass(self, order: Sequence[Hashable], sizes: Mapping[Hashable, int]) -> None:
@@ -251,9 +270,10 @@ class SubGroupStager:
     def grow(self, slot_elements: int, reserved_bytes: int) -> None:
         """Make the ring hold sub-groups of ``slot_elements`` fp32 values and the caller's own
         buffer ``reserved_bytes`` (sub-groups were added), outside a pass. The kept sub-groups are
-        written back and the pool rebuilt over what the budget leaves; a ``dram_budget`` given at
+        written back and the pool rebuilt over what the budget leaves. A ``dram_budget`` given at
         construction that no longer holds the working set is a :class:`CapacityError`, and then
-        nothing changes."""
+        nothing changes; so is a grown budget that the store's ledger cannot hold, and then only
+        the kept sub-groups have been written back."""
         slot_bytes = max(self.slot_bytes, FP32 * slot_elements)
         reserved_bytes = max(self.reserved_bytes, reserved_bytes)
         working = self.prefetch_depth * slot_bytes + reserved_bytes
@@ -266,17 +286,13 @@ class SubGroupStager:
                 f"sub-groups need ({self.prefetch_depth} sub-group buffers of {slot_bytes} + "
                 f"{reserved_bytes} for gradients)"
             )
-        if budget > self.dram_budget:
-            self._reserve(budget - self.dram_budget)
         self.end_pass()
         self.flush()
         self.drop_resident()
-        self.pool.clear()
+        self.area.resize(budget, pool_bytes=round_up(budget - working))
         self.slot_bytes, self.reserved_bytes, self.working_bytes = slot_bytes, reserved_bytes, working
-        self.dram_budget = budget
         self.buffers = [aligned_tensor(slot_bytes // FP32) for _ in range(self.prefetch_depth)]
         self._free = list(self.buffers)
-        self.pool = BufferPool(round_up(budget - working), pin=False)
 
     # -- the end --------------------------------------------------------------------------------------
     @property
@@ -296,10 +312,10 @@ class SubGroupStager:
             self.abandon()
 
     def abandon(self) -> None:
-        """Give back the namespace and the DRAM reservation now, writing nothing (:meth:`close`
-        writes the kept sub-groups first)."""
+        """Give back the namespace and the staging area now, writing nothing (:meth:`close` writes
+        the kept sub-groups first)."""
         self._unclaim()
-        self._unreserve()
+        self.area.close()
 
     # -- internals ------------------------------------------------------------------------------
     def _read(self, name: Hashable, buffer: torch.Tensor) -> Future[torch.Tensor]:
@@ -366,9 +382,9 @@ class SubGroupStager:
         return pooled
 
     def _from_pool(self, nbytes: int) -> torch.Tensor | None:
-        if not self.pool.fits(nbytes):
+        if not self.area.fits(nbytes):
             return None
-        block = self.pool.try_acquire(nbytes)
+        block = self.area.try_acquire(nbytes)
         if block is None:
             return None
         tensor = block.view(nbytes).view(torch.float32)
@@ -380,54 +396,16 @@ class SubGroupStager:
         if block is None:
             self._free.append(buffer)
         else:
-            self.pool.release(block)
-
-    def _reserve(self, nbytes: int) -> None:
-        """Hold ``nbytes`` more of the store's DRAM ledger until :meth:`abandon`."""
-        self._reservations.append(self.store.memory.reserve(f"optimizer {self.namespace}", nbytes))
+            self.area.release(block)
 
     def _plan_keep(self, order: list[Hashable]) -> set[Hashable]:
-        """What stays in the pool at the end of the pass. Sizes are whole pages, as the pool carves
-        them, so a planned set always fits the pool once the previous pass's kept set is gone."""
-        room = self.pool.capacity
+        """What stays in the pool at the end of the pass: the I/O model's choice
+        (:func:`~tierstore.model.keep_from_end`) or MLP-Offload's last K that fit. Sizes are whole
+        pages, as the pool carves them, so a planned set always fits the pool once the previous
+        pass's kept set is gone."""
+        room = self.area.capacity
         if self.cache_policy == "none" or room == 0:
             return set()
         sizes = [round_up(FP32 * self._sizes[name]) for name in order]
-        if self.cache_policy == "static":  # MLP-Offload: the last K that fit
-            keep: set[Hashable] = set()
-            kept = 0
-            for name, size in zip(reversed(order), reversed(sizes), strict=True):
-                if kept + size > room:
-                    break
-                keep.add(name)
-                kept += size
-            return keep
-        plan = plan_pass(
-            self._path_speeds(), self.working_bytes + room, sizes, working_bytes=self.working_bytes
-        )
-        return {order[i] for i in plan.keep}
-
-    def _path_speeds(self) -> list[PathSpeed]:
-        """The first tier's paths (where the state is placed), as the store measures them."""
-        speeds: list[PathSpeed] = next(iter(self.store.bandwidths().values()), [])
-        return speeds or [PathSpeed("unmeasured", 1e9, 1e9)]
-
-
-def _check_settings(dram_budget: int | None, prefetch_depth: int, cache_policy: str) -> None:
-    """A :class:`ConfigError` naming the field, rather than a TypeError at first use."""
-    if dram_budget is not None and (not _is_integer(dram_budget) or dram_budget < 0):
-        raise ConfigError(f"dram_budget: must be None or a number of bytes >= 0, got {dram_budget!r}")
-    if not _is_integer(prefetch_depth) or prefetch_depth < 1:
-        raise ConfigError(f"prefetch_depth: must be an integer >= 1, got {prefetch_depth!r}")
-    if cache_policy not in ("model", "static", "none"):
-        raise ConfigError(f"cache_policy: must be 'model', 'static' or 'none', got {cache_policy!r}")
-
-
-def _release_all(ledger: MemoryLedger, reservations: list[Reservation]) -> None:
-    for reservation in reservations:
-        ledger.release(reservation)
-    reservations.clear()
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        choose = last_that_fit if self.cache_policy == "static" else keep_from_end
+        return {order[i] for i in choose(sizes, room, range(len(order)))}

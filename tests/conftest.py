@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
@@ -96,7 +95,7 @@ def tier_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_store(tmp_path: Path, tier_kind: str) -> Iterator[StoreFactory]:
+def open_store(tmp_path: Path, tier_kind: str) -> Iterator[StoreFactory]:
     """Build stores over one persistent tier of the parametrized kind; closes them afterwards."""
     stores: list[TierStore] = []
 
@@ -146,21 +145,3 @@ def small_tmpfs(tmp_path: Path) -> Iterator[TmpfsFactory]:
     finally:
         for point in reversed(mounted):
             subprocess.run(["umount", str(point)], check=True)
-
-
-def train_side_by_side(
-    optimizer: torch.optim.Optimizer,
-    model: list[torch.nn.Parameter],
-    expected: torch.optim.Optimizer,
-    reference: list[torch.nn.Parameter],
-    steps: range,
-) -> None:
-    """Step ``optimizer`` over ``model`` and ``expected`` over ``reference`` (its twin: the same
-    shapes and values) with the same gradients, seeded by each of ``steps``."""
-    for step in steps:
-        generator = torch.Generator().manual_seed(step)
-        for param, twin in zip(model, reference, strict=True):
-            param.grad = torch.randn(param.shape, generator=generator)
-            twin.grad = param.grad.clone()
-        optimizer.step()
-        expected.step()

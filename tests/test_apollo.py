@@ -8,20 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, partition_whole
 
-from tierstore import BufferMismatchError, ConfigError, Tier, TierStore
+from tierstore import BufferMismatchError, ConfigError, TierStore
 
-from .conftest import train_side_by_side
+from .helpers import make_store, relative_error, train_against_reference, train_side_by_side, twin_parameters
 
 MATRICES = [(37, 13), (13, 40), (64, 64), (5, 300)]  # tall, wide, square, one larger than a sub-group
 VECTORS = [(50,), (7,)]  # biases and norms: AdamW
-
-
-def make_store(tmp_path: Path, kind: str) -> TierStore:
-    backend = open_backend("dram://" if kind == "dram" else f"nvme://{tmp_path / 'state'}?chunk_bytes=64KiB")
-    return TierStore([Tier("state", backend)], cache_budget=0)
 
 
 def reference_optimizer() -> Any:
@@ -61,11 +55,6 @@ def reference_optimizer() -> Any:
     return sys.modules["_apollo_reference.apollo"].AdamW
 
 
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.detach(), expected.detach()
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
-
-
 def groups(params: list[torch.nn.Parameter], projection: dict[str, Any]) -> list[dict[str, Any]]:
     """The reference's usual split: matrices get APOLLO, vectors AdamW."""
     return [
@@ -84,28 +73,22 @@ def run_pair(
     overflow_at: int | None = None,
     **options: Any,
 ) -> tuple[OffloadedAPOLLO, list[torch.nn.Parameter]]:
-    torch.manual_seed(0)
-    shapes = MATRICES + VECTORS
-    model = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in shapes]
-    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in model]
+    model, reference = twin_parameters([*MATRICES, *VECTORS], torch.bfloat16)
     optimizer = OffloadedAPOLLO(
         groups(model, projection), store, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm, **options
     )
     expected = reference_optimizer()(groups(reference, projection), lr=1e-2, weight_decay=0.1)
-    for step in range(steps):
-        grads = [torch.randn(shape).mul(grad_scale).bfloat16() for shape in shapes]
-        if step == overflow_at:
-            grads[2][3, 4] = float("inf")
-        for param, grad in zip(model, grads, strict=True):
-            param.grad = grad
-        optimizer.step(grad_scale=grad_scale)
-        if step == overflow_at:
-            continue  # the reference skips the step too
-        for param, grad in zip(reference, grads, strict=True):
-            param.grad = grad.float() / grad_scale
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(reference, max_grad_norm)
-        expected.step()
+    train_against_reference(
+        optimizer,
+        model,
+        expected,
+        reference,
+        steps=steps,
+        max_grad_norm=max_grad_norm,
+        grad_scale=grad_scale,
+        overflow_at=overflow_at,
+        overflow_element=(2, 3, 4),
+    )
     return optimizer, reference
 
 

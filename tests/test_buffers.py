@@ -9,6 +9,8 @@ import torch
 from tierstore import AlignedBuffer, BufferPool, CapacityError
 from tierstore.buffers import ALIGNMENT, HUGE_MAP_BYTES, HUGE_PAGE, buffer_address, round_up
 
+from .helpers import map_count
+
 
 @pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 3 << 20])
 def test_buffers_are_page_aligned_and_rounded(nbytes: int) -> None:
@@ -52,11 +54,6 @@ def test_pool_rejects_what_can_never_fit() -> None:
         BufferPool(4096).try_acquire(4097)
     with pytest.raises(CapacityError):
         BufferPool(-1)
-
-
-def map_count() -> int:
-    with open("/proc/self/maps") as maps:
-        return sum(1 for _ in maps)
 
 
 def test_hundreds_of_thousands_of_small_buffers_share_a_few_maps() -> None:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tierstore import TierStore
-from tierstore.cli import main, training_failure
+from tierstore.cli import main
+from tierstore.demo import training_failure
 
 VIRTUAL = """
 [[tiers]]

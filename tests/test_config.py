@@ -1,12 +1,21 @@
+import inspect
 import json
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 import torch
+from pydantic.fields import FieldInfo
+from tierstore.activations import ActivationOffload
+from tierstore.activations.options import ActivationOptions
+from tierstore.backends.dram import DramBackend, DramOptions
+from tierstore.integrations.deepspeed.config import ActivationsSection, TierstoreSection
+from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO
+from tierstore.optimizer.options import StagingOptions
 
 from tierstore import ConfigError, TierStore, UnwritablePathError, default_config, load_config
-from tierstore.config import parse_byte_size
+from tierstore.config import STORE_ARGUMENTS, StoreOptions, parse_byte_size
 
 
 def nvme_config(path: Path, **cache: object) -> dict[str, object]:
@@ -193,3 +202,93 @@ def test_swapping_the_backend_is_one_line(tmp_path: Path, backend: str) -> None:
         assert store.stats()["tiers"]["tier"]["bytes_written"] > 0
         for key, tensor in tensors.items():
             assert torch.equal(store[key], tensor)
+
+
+# -- one definition per option: constructors, documents and the DeepSpeed section agree -------------
+def keyword_defaults(function: Callable[..., object], names: Iterable[str]) -> dict[str, object]:
+    parameters = inspect.signature(function).parameters
+    return {name: parameters[name].default for name in names}
+
+
+def test_the_store_constructor_takes_exactly_the_defined_options_with_their_defaults() -> None:
+    parameters = inspect.signature(TierStore.__init__).parameters
+    assert set(parameters) - {"self", "tiers"} == set(STORE_ARGUMENTS)
+    assert keyword_defaults(TierStore.__init__, STORE_ARGUMENTS) == StoreOptions().arguments()
+
+
+@pytest.mark.parametrize("workload", [OffloadedAdamW, OffloadedAPOLLO])
+def test_the_optimizers_take_the_staging_options_with_their_defaults(workload: type) -> None:
+    defaults = StagingOptions()
+    assert keyword_defaults(workload, StagingOptions.model_fields) == dict(defaults)
+
+
+def test_the_activation_offload_takes_its_options_with_their_defaults() -> None:
+    defaults = keyword_defaults(ActivationOffload.__init__, ActivationOptions.model_fields)
+    assert ActivationOptions.model_validate(defaults) == ActivationOptions()
+
+
+def definition(field: FieldInfo) -> tuple[object, ...]:
+    return (field.annotation, field.default, field.metadata, field.description)
+
+
+def test_the_deepspeed_section_reuses_the_definitions() -> None:
+    section = TierstoreSection.model_fields
+    assert definition(section["workers"]) == definition(StoreOptions.model_fields["workers"])
+    for name, field in StagingOptions.model_fields.items():
+        assert definition(section[name]) == definition(field)
+    assert issubclass(ActivationsSection, ActivationOptions)
+    assert ActivationsSection.model_fields.keys() == ActivationOptions.model_fields.keys()
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "document"),
+    [
+        ("cache_budget", -1, {"cache": {"budget": -1}}),
+        ("cache_budget", True, {"cache": {"budget": True}}),
+        ("policy", "sometimes", {"cache": {"policy": "sometimes"}}),
+        ("cache_reads", 1, {"cache": {"cache_reads": "maybe"}}),
+        ("pack_below", "lots", {"cache": {"pack_below": "lots"}}),
+        ("workers", 0, {"workers": 0}),
+        ("workers", 2.5, {"workers": 2.5}),
+        ("workers", "4", {"workers": "4"}),
+        ("verify", "never", {"verify": "never"}),
+        ("memory_budget", 1024, {"memory_budget": 1024}),
+    ],
+)
+def test_constructor_and_document_refuse_the_same_option(
+    argument: str, value: object, document: dict[str, object]
+) -> None:
+    """The constructor names its keyword, the document its key; both come from one field."""
+    backend = DramBackend(DramOptions())
+    with pytest.raises(ConfigError, match=rf"^{argument}: must be "):
+        TierStore([backend], **{argument: value})  # type: ignore[arg-type]
+    key = ".".join(STORE_ARGUMENTS[argument])
+    with pytest.raises(ConfigError, match=rf"config\.{re.escape(key)}: "):
+        load_config({"tiers": [{"name": "a", "backend": "dram://"}], **document})
+    backend.close()
+
+
+def test_a_size_is_text_in_a_document_and_an_integer_from_python() -> None:
+    assert load_config({"cache": {"budget": "1MiB"}, "tiers": [{"name": "a", "backend": "dram://"}]})
+    for text in ("1MiB", 1.5e6, 2.0):
+        with pytest.raises(ConfigError, match=r"^cache_budget: must be a number of bytes >= 0, not "):
+            TierStore([DramBackend(DramOptions())], cache_budget=text)  # type: ignore[arg-type]
+
+
+def test_from_config_passes_every_option_to_the_store(tmp_path: Path) -> None:
+    document = {
+        "cache": {"budget": "2MiB", "policy": "write-through", "cache_reads": False, "pack_below": 0},
+        "workers": 2,
+        "manifest": str(tmp_path / "manifest"),
+        "verify": "sampled",
+        "memory_budget": "8MiB",
+        "tiers": [{"name": "a", "backend": f"nvme://{tmp_path / 'data'}"}],
+    }
+    with TierStore.from_config(document) as store:
+        assert (store.policy, store.cache_reads, store.verify, store.pack_below) == (
+            "write-through",
+            False,
+            "sampled",
+            0,
+        )
+        assert store.stats()["memory"] == {"budget_bytes": 8 << 20, "reserved_bytes": {"cache": 2 << 20}}

@@ -48,17 +48,9 @@ from tierstore.manifest import Manifest
 from tierstore.testing import BackendTests
 
 from .conftest import TmpfsFactory
+from .helpers import kill_a_crash_writer, persistent
 
 TESTS = Path(__file__).parent
-
-
-def persistent(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "cache": {"budget": "1MiB"},
-        "manifest": str(tmp_path / "manifest"),
-        "tiers": [{"name": "nvme", "backend": f"nvme://{tmp_path / 'nvme'}?chunk_bytes=64KiB"}],
-        **extra,
-    }
 
 
 def samples() -> dict[str, torch.Tensor]:
@@ -69,6 +61,23 @@ def samples() -> dict[str, torch.Tensor]:
         "big/fp32": torch.randn(1 << 19),  # larger than the cache: straight to the tier
         "empty": torch.empty(0, 7),
         "scalar": torch.tensor(3.5, dtype=torch.float64),
+    }
+
+
+def two_path_tier(tmp_path: Path) -> dict[str, Any]:
+    """A scratch store's config without a cache, over one tier ``v`` of two NVMe paths, ``a`` and
+    ``b`` (directories of those names under ``tmp_path``): objects are striped over both."""
+    return {
+        "cache": {"budget": 0},
+        "tiers": [
+            {
+                "name": "v",
+                "paths": [
+                    {"name": "a", "backend": f"nvme://{tmp_path / 'a'}"},
+                    {"name": "b", "backend": f"nvme://{tmp_path / 'b'}"},
+                ],
+            }
+        ],
     }
 
 
@@ -237,18 +246,7 @@ def test_a_deleted_backing_object_is_lost_data_not_a_missing_key(tmp_path: Path,
 
 
 def test_a_lost_extent_of_a_striped_object_names_its_path(tmp_path: Path) -> None:
-    config = {
-        "cache": {"budget": 0},
-        "tiers": [
-            {
-                "name": "v",
-                "paths": [
-                    {"name": "a", "backend": f"nvme://{tmp_path / 'a'}"},
-                    {"name": "b", "backend": f"nvme://{tmp_path / 'b'}"},
-                ],
-            }
-        ],
-    }
+    config = two_path_tier(tmp_path)
     with TierStore.from_config(config) as store:
         store["x"] = torch.arange(1 << 18, dtype=torch.int32)
         assert [e["path"] for e in store.info("x").extents] == ["a", "b"]
@@ -261,21 +259,11 @@ def test_a_lost_extent_of_a_striped_object_names_its_path(tmp_path: Path) -> Non
 def test_kill_9_at_random_moments_never_tears_an_object(tmp_path: Path) -> None:
     """20 kills of a writer at random points; after each, every key holds a whole version no newer
     than the last one started, and no garbage file is left behind."""
-    config = persistent(tmp_path, cache={"budget": 0})
+    config = persistent(tmp_path, budget=0)
     rng = random.Random(7)
     version, seen = 0, 0
     for kill in range(20):
-        writer = subprocess.Popen(
-            [sys.executable, str(TESTS / "crash_writer.py"), json.dumps(config), str(version), str(kill)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready", writer.stderr
-        time.sleep(rng.uniform(0.05, 0.6))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
-        started = int((tmp_path / "manifest.started").read_text())
+        started = kill_a_crash_writer(config, version, kill, rng.uniform(0.05, 0.6))
         with TierStore.from_config(config) as store:
             for key in store:
                 values = store[key]
@@ -459,7 +447,7 @@ def test_a_full_manifest_disk_fails_puts_typed_and_tears_no_line(
     again, puts work and a reopened store has every acknowledged version."""
     monkeypatch.setattr("tierstore.manifest.COMPACT_AFTER", 4)
     manifest = small_tmpfs("64k") / "manifest"
-    config = {**persistent(tmp_path), "manifest": str(manifest), "cache": {"budget": 0}}
+    config = {**persistent(tmp_path, budget=0), "manifest": str(manifest)}
     with TierStore.from_config(config) as store:
         store["a"] = torch.zeros(3)
         filler = manifest.parent / "filler"
@@ -562,18 +550,7 @@ def test_write_back_failure_keeps_the_data_cached_until_flush_succeeds() -> None
 
 
 def test_a_vanished_path_is_excluded_and_the_tier_keeps_serving(tmp_path: Path) -> None:
-    config = {
-        "cache": {"budget": 0},
-        "tiers": [
-            {
-                "name": "v",
-                "paths": [
-                    {"name": "a", "backend": f"nvme://{tmp_path / 'a'}"},
-                    {"name": "b", "backend": f"nvme://{tmp_path / 'b'}"},
-                ],
-            }
-        ],
-    }
+    config = two_path_tier(tmp_path)
     with TierStore.from_config(config) as store:
         store["before"] = torch.arange(1 << 18, dtype=torch.int32)  # striped over a and b
         subprocess.run(["rm", "-rf", str(tmp_path / "b")], check=True)
@@ -846,7 +823,7 @@ def test_an_entry_that_does_not_fit_its_object_is_refused_on_every_read_path(
     """Shapes edited to need more (or fewer) bytes than the object holds, or extents that hold
     fewer than the entry records: every read is a ManifestError naming the key, never zero-padded
     data, a part-filled ``out`` or a raw error; the key can still be deleted, the others read."""
-    config = persistent(tmp_path, tiers=[{"name": "t", "backend": backend.format(root=tmp_path / "t")}])
+    config = persistent(tmp_path, backend.format(root=tmp_path / "t"), tier="t")
     values = {
         "packed": torch.arange(5000),  # below pack_below: written back in a pack
         "alone": torch.arange(20000),

@@ -6,12 +6,14 @@ from tierstore import ConfigError
 from tierstore.model import (
     PathSpeed,
     SavedTensor,
+    SpillPlan,
     plan_pass,
     plan_spill,
     replay_spill,
     stripe_weights,
     transfer_seconds,
 )
+from tierstore.spill_policy import ReadAhead, Residence, Room, SpillPolicy
 
 NVME = PathSpeed("nvme", read=2e9, write=1e9)
 PFS = PathSpeed("pfs", read=1e9, write=1e9)
@@ -140,3 +142,56 @@ def test_spill_plan_is_never_worse_than_spilling_everything(
     assert plan.predicted_seconds <= plan.spill_all_seconds + 1e-9
     assert plan.peak_resident_bytes <= budget
     assert sorted([*plan.keep, *plan.spill]) == list(range(count))
+
+
+class FakeStep:
+    """Spilled tensors as the policy sees them, with room for ``room`` reads (one unit each)."""
+
+    def __init__(self, residences: dict[int, Residence], room: int) -> None:
+        self.residences, self.room = residences, room
+        self.actions: list[str] = []
+
+    def residence(self, tensor: int) -> Residence:
+        return self.residences[tensor]
+
+    def hand_back(self, tensor: int) -> None:
+        self.actions.append(f"hand back {tensor}")
+
+    def try_read_ahead(self, tensor: int) -> bool:
+        if self.room == 0:
+            return False
+        self.room -= 1
+        self.residences[tensor] = Residence.DONE  # being read
+        self.actions.append(f"read {tensor}")
+        return True
+
+    def drop(self, tensor: int) -> None:
+        self.room += 1
+        self.residences[tensor] = Residence.STORED
+        self.actions.append(f"drop {tensor}")
+
+
+def test_spill_policy_reads_in_order_as_room_allows_and_drops_the_last_needed() -> None:
+    policy = SpillPolicy()  # no plan: reverse save order
+    step = FakeStep({0: Residence.STORED, 1: Residence.STORED, 2: Residence.WRITING}, room=1)
+    reads = ReadAhead(policy.read_order([0, 1, 2]))
+    reads.advance(step)
+    assert step.actions == ["hand back 2", "read 1"] and reads.cursor == 2  # no room for 0
+    step.residences[1] = step.residences[2] = Residence.AHEAD  # read back, written
+    room = policy.room_to_read(step, reads, 0, writing=False, reading=False)
+    assert room is Room.DROPPED and step.actions[-1] == "drop 1" and reads.cursor == 1
+    room = policy.room_to_read(step, reads, 0, writing=False, reading=False)
+    assert room is Room.DROPPED and step.actions[-1] == "drop 2" and reads.cursor == 0
+    assert policy.room_to_read(step, reads, 0, writing=False, reading=True) is Room.WAIT
+    assert policy.room_to_read(step, reads, 0, writing=False, reading=False) is Room.NONE
+    assert policy.room_to_save(writing=True) is Room.WAIT and policy.room_to_save(writing=False) is Room.NONE
+
+
+def test_replay_follows_the_policy_within_the_budget() -> None:
+    """A kept tensor fills the budget with no write in flight: the replay sends the next save to
+    ordinary memory, as the runtime does, instead of going over the budget."""
+    tensors = [SavedTensor(100, 0.0, 2.0), SavedTensor(100, 0.1, 1.0)]
+    replay = replay_spill(DISK, 150, tensors, set(), 2.0)
+    assert replay.peak_resident == 100 and replay.overflow_bytes == 100
+    plan = SpillPlan([], frozenset({1, 0}), [1, 0], 2.0, 2.0, 0.0, 0.0, 0, 2.0)
+    assert plan.policy() == SpillPolicy(frozenset({0, 1}), (1, 0))

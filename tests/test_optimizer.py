@@ -8,24 +8,13 @@ from typing import Any
 import h5py
 import pytest
 import torch
-from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, engine, partition
 
-from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, Tier, TierStore
+from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, TierStore
 
-from .conftest import train_side_by_side
+from .helpers import make_store, relative_error, train_against_reference, train_side_by_side, twin_parameters
 
 SHAPES = [(37, 13), (1000,), (7,), (300, 3), (4097,)]  # sizes off every alignment
-
-
-def make_store(tmp_path: Path, kind: str) -> TierStore:
-    backend = open_backend("dram://" if kind == "dram" else f"nvme://{tmp_path / 'state'}?chunk_bytes=64KiB")
-    return TierStore([Tier("state", backend)], cache_budget=0)
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.detach(), expected.detach()
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
 def run_pair(
@@ -39,9 +28,7 @@ def run_pair(
     overflow_at: int | None = None,
     **options: object,
 ) -> tuple[OffloadedAdamW, list[torch.nn.Parameter]]:
-    torch.manual_seed(0)
-    model = [torch.nn.Parameter(torch.randn(shape).to(grad_dtype)) for shape in SHAPES]
-    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in model]
+    model, reference = twin_parameters(SHAPES, grad_dtype)
     optimizer = OffloadedAdamW(
         model,
         store,
@@ -51,20 +38,17 @@ def run_pair(
         **options,  # type: ignore[arg-type]
     )
     expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=weight_decay, foreach=False)
-    for step in range(steps):
-        grads = [torch.randn(shape).mul(grad_scale).to(grad_dtype) for shape in SHAPES]
-        if step == overflow_at:
-            grads[1][3] = float("inf")
-        for param, grad in zip(model, grads, strict=True):
-            param.grad = grad
-        optimizer.step(grad_scale=grad_scale)
-        if step == overflow_at:
-            continue  # the reference skips the step too
-        for param, grad in zip(reference, grads, strict=True):
-            param.grad = grad.float() / grad_scale
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(reference, max_grad_norm)
-        expected.step()
+    train_against_reference(
+        optimizer,
+        model,
+        expected,
+        reference,
+        steps=steps,
+        max_grad_norm=max_grad_norm,
+        grad_scale=grad_scale,
+        overflow_at=overflow_at,
+        overflow_element=(1, 3),
+    )
     return optimizer, reference
 
 

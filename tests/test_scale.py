@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +13,7 @@ from tierstore.backends import open_backend
 
 from tierstore import ChecksumError, Tier, TierStore, limits
 
-TESTS = Path(__file__).parent
+from .helpers import kill_a_crash_writer, map_count, persistent
 
 
 def flush_comparisons_per_object(count: int, pack_below: int, monkeypatch: pytest.MonkeyPatch) -> float:
@@ -54,11 +49,6 @@ def test_flush_cost_per_object_does_not_grow_with_the_count(
     assert large <= 4 * math.log2(6_000), f"{large:.0f} comparisons per object at 6k"
 
 
-def map_count() -> int:
-    with open("/proc/self/maps") as maps:
-        return sum(1 for _ in maps)
-
-
 def test_cached_small_objects_do_not_cost_a_map_each() -> None:
     """Each cached object had its own mmap, so ~65k of them exhausted vm.max_map_count."""
     with TierStore([Tier("dram", open_backend("dram://"))], cache_budget=1 << 30) as store:
@@ -85,12 +75,12 @@ def small(index: int) -> torch.Tensor:
     return torch.full((1 + index % 250,), index, dtype=torch.int32)
 
 
-def persistent(tmp_path: Path, backend: str, **cache: object) -> dict[str, Any]:
-    return {
-        "cache": {"budget": "64MiB", **cache},
-        "manifest": str(tmp_path / "manifest"),
-        "tiers": [{"name": "tier", "backend": BACKENDS[backend].format(root=tmp_path / backend)}],
-    }
+def packing(tmp_path: Path, backend: str = "nvme", **cache: object) -> dict[str, Any]:
+    """A persistent store over one tier named ``tier`` of the ``backend`` in :data:`BACKENDS`
+    (in ``tmp_path / backend``): its 64 MiB cache holds thousands of small objects until a flush
+    writes them back in packs. ``cache``: other ``[cache]`` settings (``pack_below``)."""
+    url = BACKENDS[backend].format(root=tmp_path / backend)
+    return persistent(tmp_path, url, tier="tier", budget="64MiB", **cache)
 
 
 def backend_objects(store: TierStore) -> list[str]:
@@ -105,7 +95,7 @@ def all_files(root: Path) -> int:
 def test_many_small_objects_take_few_files_and_reopen_whole(tmp_path: Path, backend: str) -> None:
     """One file (nvme), two (zarr) or four (adios2) per object before; now one pack per batch."""
     pytest.importorskip({"nvme": "tierstore", "zarr": "zarr", "adios2": "adios2"}[backend])
-    config = persistent(tmp_path, backend)
+    config = packing(tmp_path, backend)
     with TierStore.from_config(config) as store:
         for put in [store.put(f"k{index}", small(index)) for index in range(2000)]:
             put.result()
@@ -122,7 +112,7 @@ def test_many_small_objects_take_few_files_and_reopen_whole(tmp_path: Path, back
 
 
 def test_deleting_every_member_frees_the_pack(tmp_path: Path) -> None:
-    config = persistent(tmp_path, "nvme")
+    config = packing(tmp_path)
     with TierStore.from_config(config) as store:
         for index in range(100):
             store[f"k{index}"] = small(index)
@@ -141,7 +131,7 @@ def test_deleting_every_member_frees_the_pack(tmp_path: Path) -> None:
 
 
 def test_a_damaged_pack_names_the_key(tmp_path: Path) -> None:
-    config = persistent(tmp_path, "nvme", pack_below="4KiB")
+    config = packing(tmp_path, pack_below="4KiB")
     with TierStore.from_config(config) as store:
         for index in range(10):
             store[f"k{index}"] = small(index)
@@ -158,10 +148,10 @@ def test_a_damaged_pack_names_the_key(tmp_path: Path) -> None:
 
 def test_stores_written_without_packs_reopen_with_them(tmp_path: Path) -> None:
     """Manifest entries without the ``pack`` field (older stores) keep their meaning."""
-    with TierStore.from_config(persistent(tmp_path, "nvme", pack_below=0)) as store:
+    with TierStore.from_config(packing(tmp_path, pack_below=0)) as store:
         for index in range(20):
             store[f"k{index}"] = small(index)
-    with TierStore.from_config(persistent(tmp_path, "nvme")) as store:
+    with TierStore.from_config(packing(tmp_path)) as store:
         assert len(backend_objects(store)) == 20
         assert all(torch.equal(store[f"k{index}"], small(index)) for index in range(20))
 
@@ -170,28 +160,11 @@ def test_kill_9_during_pack_writes_loses_nothing_flushed(tmp_path: Path) -> None
     """A writer flushes rounds of 300 small objects (one pack each) and is killed at random moments;
     every key then holds a whole version, at least the last round flushed, and no unreferenced
     pack is left on disk."""
-    config = persistent(tmp_path, "nvme")
+    config = packing(tmp_path)
     rng = random.Random(11)
     version = 0
     for kill in range(8):
-        writer = subprocess.Popen(
-            [
-                sys.executable,
-                str(TESTS / "crash_writer.py"),
-                json.dumps(config),
-                str(version),
-                str(kill),
-                "packs",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready", writer.stderr
-        time.sleep(rng.uniform(0.2, 1.5))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
-        started = int((tmp_path / "manifest.started").read_text())
+        started = kill_a_crash_writer(config, version, kill, rng.uniform(0.2, 1.5), "packs")
         flushed = (
             int((tmp_path / "manifest.flushed").read_text())
             if (tmp_path / "manifest.flushed").exists()
@@ -211,13 +184,30 @@ def test_kill_9_during_pack_writes_loses_nothing_flushed(tmp_path: Path) -> None
 
 
 def test_packed_objects_read_back_across_the_paths_of_a_striped_tier() -> None:
-    """A pack is striped like any object; an object may straddle two paths' extents."""
+    """A pack is striped like any object; an object may straddle two paths' extents. The reads
+    come from the pack itself: a filler takes the whole cache first, evicting every clean copy
+    the flush left, and ``cache_reads=False`` keeps what is read out of the cache."""
     paths = [open_backend("dram://"), open_backend({"type": "fault", "inner": "dram://"})]
-    with TierStore([Tier("striped", paths)], cache_budget=1 << 20, cache_reads=False) as store:
+    budget = 1 << 20
+    with TierStore([Tier("striped", paths)], cache_budget=budget, cache_reads=False) as store:
         for put in [store.put(f"k{index}", small(index)) for index in range(200)]:
             put.result()
         store.flush()
         assert [len(path.list()) for path in paths] == [1, 1]  # one pack, split in two extents
-        assert len(store.info("k0").extents) == 2
-        for index in range(200):
-            assert torch.equal(store[f"k{index}"], small(index)), index
+        (pack,) = set(paths[0].list()) | set(paths[1].list())
+        store["filler"] = torch.zeros(budget, dtype=torch.uint8)
+        keys = [f"k{index}" for index in range(200)]
+        assert not any(store.info(key).cached for key in keys)
+        both = [path.name for path in store.tiers[0].paths]
+        before = store.stats()
+        for index, key in enumerate(keys):
+            info = store.info(key)
+            assert info.name == pack and [extent["path"] for extent in info.extents] == both
+            assert torch.equal(store[key], small(index)), index
+        after = store.stats()
+        assert after["misses"] - before["misses"] == 200 and after["hits"] == before["hits"]
+        assert not any(store.info(key).cached for key in keys)
+        tier, earlier = after["tiers"]["striped"], before["tiers"]["striped"]
+        assert tier["bytes_read"] - earlier["bytes_read"] == sum(small(index).nbytes for index in range(200))
+        for name in both:  # each extent of the pack served reads
+            assert tier["paths"][name]["read"]["bytes"] > earlier["paths"][name]["read"]["bytes"], name

@@ -119,24 +119,6 @@ def test_concurrent_opens_of_one_directory_never_fail(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_spares_of_earlier_versions_are_removed_and_their_stores_reopen(tmp_path: Path) -> None:
-    """Earlier versions kept recycled files as ``.spare-N`` in the directory itself, and a crash
-    left them there for good; a store written then reopens, and they go."""
-    directory = tmp_path / "nvme"
-    config = {
-        "cache": {"budget": 0},
-        "manifest": str(tmp_path / "manifest"),
-        "tiers": [{"name": "nvme", "backend": f"nvme://{directory}"}],
-    }
-    with TierStore.from_config(config) as store:
-        store["x"] = torch.arange(100_000)
-    for number in (0, 15):
-        (directory / f".spare-{number}").write_bytes(bytes(1 << 20))
-    with TierStore.from_config(config) as store:
-        assert torch.equal(store["x"], torch.arange(100_000))
-        assert [path.name for path in directory.iterdir()] == [backing_file(store, "x").name]
-
-
 # -- leftovers of killed stores -----------------------------------------------------------------------
 def three_backends(tmp_path: Path, manifest: str | None) -> dict[str, Any]:
     """One tier striping every object over nvme, zarr and adios2, each in its own directory."""

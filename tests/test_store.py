@@ -54,8 +54,8 @@ def tier_objects(store: TierStore) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_round_trip_every_dtype_and_shape(make_store: StoreFactory, dtype: torch.dtype) -> None:
-    store = make_store(cache_budget=64 << 10)
+def test_round_trip_every_dtype_and_shape(open_store: StoreFactory, dtype: torch.dtype) -> None:
+    store = open_store(cache_budget=64 << 10)
     tensors = {f"{dtype}-{shape}": random_tensor(shape, dtype, i) for i, shape in enumerate(SHAPES)}
     for key, tensor in tensors.items():
         store.put(key, tensor)
@@ -68,8 +68,8 @@ def test_round_trip_every_dtype_and_shape(make_store: StoreFactory, dtype: torch
         assert (info.shape, info.dtype, info.nbytes) == (tuple(tensor.shape), dtype, tensor.nbytes)
 
 
-def test_non_contiguous_input(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_non_contiguous_input(open_store: StoreFactory) -> None:
+    store = open_store()
     base = torch.randn(64, 48)
     views = {"t": base.t(), "sliced": base[::3, 5:40:2], "expanded": torch.randn(5, 1).expand(5, 9)}
     for key, view in views.items():
@@ -88,11 +88,11 @@ LAZY_VIEWS: dict[str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]
 
 
 @pytest.mark.parametrize("route", ["cached", "cache=False", "budget 0", "larger than the budget"])
-def test_conjugate_and_negative_views_round_trip(make_store: StoreFactory, route: str) -> None:
+def test_conjugate_and_negative_views_round_trip(open_store: StoreFactory, route: str) -> None:
     """Resolved before their bytes are taken, on every route that bypasses the cache, as sources
     (put) and as destinations (get out=)."""
     budget = {"budget 0": 0, "larger than the budget": 4096}.get(route, 1 << 20)
-    store = make_store(cache_budget=budget)
+    store = open_store(cache_budget=budget)
     cache = route != "cache=False"
     for key, (dtype, lazy) in LAZY_VIEWS.items():
         view = lazy(random_tensor((64, 33), dtype))
@@ -107,15 +107,15 @@ def test_conjugate_and_negative_views_round_trip(make_store: StoreFactory, route
         assert torch.equal(out, expected), key
 
 
-def test_put_is_ordered_before_later_get(make_store: StoreFactory) -> None:
-    store = make_store(cache_budget=1 << 20)
+def test_put_is_ordered_before_later_get(open_store: StoreFactory) -> None:
+    store = open_store(cache_budget=1 << 20)
     for version in range(20):
         store.put("k", torch.full((1000,), float(version)))
     assert torch.equal(store.get("k").result(), torch.full((1000,), 19.0))
 
 
-def test_get_into_out(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_get_into_out(open_store: StoreFactory) -> None:
+    store = open_store()
     value = torch.randn(32, 16).to(torch.bfloat16)
     store["x"] = value
     out = torch.empty(32, 16, dtype=torch.bfloat16)
@@ -131,18 +131,18 @@ def test_get_into_out(make_store: StoreFactory) -> None:
     [torch.empty(32, 16), torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(512, dtype=torch.bfloat16)],
     ids=["dtype", "shape", "flat"],
 )
-def test_get_rejects_mismatched_out(make_store: StoreFactory, out: torch.Tensor) -> None:
-    store = make_store()
+def test_get_rejects_mismatched_out(open_store: StoreFactory, out: torch.Tensor) -> None:
+    store = open_store()
     store["x"] = torch.zeros(32, 16, dtype=torch.bfloat16)
     with pytest.raises(BufferMismatchError, match="out is"):
         store.get("x", out=out)
 
 
 @pytest.mark.parametrize("cache_budget", [0, 1 << 20], ids=["from the tier", "through the cache"])
-def test_get_refuses_an_out_whose_elements_share_memory(make_store: StoreFactory, cache_budget: int) -> None:
+def test_get_refuses_an_out_whose_elements_share_memory(open_store: StoreFactory, cache_budget: int) -> None:
     """An expanded (stride 0) destination cannot hold distinct values: a BufferMismatchError before
     anything is read, on every tier kind and read path."""
-    store = make_store(cache_budget=cache_budget)
+    store = open_store(cache_budget=cache_budget)
     store["x"] = torch.arange(8.0).reshape(2, 4)
     store.flush()
     for out in (torch.zeros(1, 4).expand(2, 4), torch.zeros(2, 1).expand(2, 4)):
@@ -152,17 +152,17 @@ def test_get_refuses_an_out_whose_elements_share_memory(make_store: StoreFactory
     assert torch.equal(store.get("x", out=torch.empty(2, 4)).result(), torch.arange(8.0).reshape(2, 4))
 
 
-def test_overwrite_changes_shape_and_dtype_and_frees_old_copy(make_store: StoreFactory) -> None:
-    store = make_store(cache_budget=0 + (64 << 10), policy="write-through")
+def test_overwrite_changes_shape_and_dtype_and_frees_old_copy(open_store: StoreFactory) -> None:
+    store = open_store(cache_budget=0 + (64 << 10), policy="write-through")
     store["k"] = torch.randn(100)
     store["k"] = torch.arange(10, dtype=torch.int16)
     assert torch.equal(store["k"], torch.arange(10, dtype=torch.int16))
     assert len(tier_objects(store)) == 1
 
 
-def test_spill_many_times_the_budget_stays_within_budget(make_store: StoreFactory) -> None:
+def test_spill_many_times_the_budget_stays_within_budget(open_store: StoreFactory) -> None:
     budget = 160 << 10
-    store = make_store(cache_budget=budget)
+    store = open_store(cache_budget=budget)
     tensors = {f"t{i}": random_tensor((4096 + 37 * i,), torch.float32, i) for i in range(40)}
     futures = [store.put(key, tensor) for key, tensor in tensors.items()]
     for future in futures:
@@ -175,16 +175,16 @@ def test_spill_many_times_the_budget_stays_within_budget(make_store: StoreFactor
     assert stats["evictions"] > 0 and stats["writebacks"] > 0
 
 
-def test_write_through_persists_before_resolving(make_store: StoreFactory) -> None:
-    store = make_store(policy="write-through")
+def test_write_through_persists_before_resolving(open_store: StoreFactory) -> None:
+    store = open_store(policy="write-through")
     store["w"] = torch.ones(1000)
     info = store.info("w")
     assert info.tier is not None and info.cached and not info.dirty
     assert len(tier_objects(store)) == 1
 
 
-def test_write_back_defers_tier_writes_until_flush(make_store: StoreFactory) -> None:
-    store = make_store(policy="write-back")
+def test_write_back_defers_tier_writes_until_flush(open_store: StoreFactory) -> None:
+    store = open_store(policy="write-back")
     store["w"] = torch.ones(1000)
     assert store.info("w").dirty and tier_objects(store) == []
     store.flush()
@@ -193,8 +193,8 @@ def test_write_back_defers_tier_writes_until_flush(make_store: StoreFactory) -> 
     assert len(tier_objects(store)) == 1
 
 
-def test_objects_larger_than_budget_bypass_the_cache(make_store: StoreFactory) -> None:
-    store = make_store(cache_budget=64 << 10)
+def test_objects_larger_than_budget_bypass_the_cache(open_store: StoreFactory) -> None:
+    store = open_store(cache_budget=64 << 10)
     big = torch.randn(100_000)
     store["big"] = big
     info = store.info("big")
@@ -208,17 +208,27 @@ def test_objects_larger_than_budget_bypass_the_cache(make_store: StoreFactory) -
         store.prefetch(["big"]).result()
 
 
-def test_cache_reads_off_reads_straight_to_the_destination(make_store: StoreFactory) -> None:
-    store = make_store(cache_reads=False, policy="write-through")
-    store["x"] = torch.arange(100.0)
-    store.flush()
-    store.delete("x")
-    store["x"] = torch.arange(100.0)
-    assert torch.equal(store["x"], torch.arange(100.0))
+def test_cache_reads_off_reads_straight_to_the_destination(open_store: StoreFactory) -> None:
+    """A miss reads from the tier into the caller's tensor (or a new one) and caches nothing,
+    although each get asks for the cache (``cache=True``); a copy already cached is still used."""
+    store = open_store(cache_reads=False, cache_budget=1 << 20)
+    value = torch.arange(100.0)
+    store.put("x", value, cache=False).result()  # on the tier only
+    before = store.stats()
+    out = torch.empty_like(value)
+    assert store.get("x", out=out).result() is out and torch.equal(out, value)
+    assert torch.equal(store.get("x").result(), value)
+    after = store.stats()
+    assert after["misses"] - before["misses"] == 2 and after["hits"] == before["hits"]
+    assert not store.info("x").cached and after["peak_cache_bytes"] == 0  # no cache buffer was used
+    (tier_before,), (tier_after,) = before["tiers"].values(), after["tiers"].values()
+    assert tier_after["bytes_read"] - tier_before["bytes_read"] == 2 * value.nbytes
+    store["y"] = value + 1  # cached by its put
+    assert torch.equal(store["y"], value + 1) and store.stats()["hits"] == after["hits"] + 1
 
 
-def test_prefetch_fills_the_cache(make_store: StoreFactory) -> None:
-    store = make_store(cache_budget=64 << 10)
+def test_prefetch_fills_the_cache(open_store: StoreFactory) -> None:
+    store = open_store(cache_budget=64 << 10)
     for i in range(8):
         store[f"p{i}"] = torch.full((4096,), float(i))  # 16 KiB each: only 4 fit
     assert not store.info("p0").cached
@@ -229,8 +239,8 @@ def test_prefetch_fills_the_cache(make_store: StoreFactory) -> None:
     assert store.stats()["hits"] == hits + 1
 
 
-def test_delete(make_store: StoreFactory) -> None:
-    store = make_store(policy="write-through")
+def test_delete(open_store: StoreFactory) -> None:
+    store = open_store(policy="write-through")
     store["a"] = torch.ones(3)
     store["b"] = torch.ones(3)
     del store["a"]
@@ -246,16 +256,16 @@ def test_delete(make_store: StoreFactory) -> None:
     "key",
     ["", "nul\x00", 3, None, "k" * 1025, "../../etc/passwd", "/abs", "a/../b", "tab\t", "del\x7f", "nel\x85"],
 )
-def test_invalid_keys(make_store: StoreFactory, key: object) -> None:
+def test_invalid_keys(open_store: StoreFactory, key: object) -> None:
     """Every Unicode control character (category Cc: C0, DEL and the C1 controls) is refused."""
-    store = make_store()
+    store = open_store()
     with pytest.raises(InvalidKeyError):
         store.put(key, torch.ones(1))  # type: ignore[arg-type]
     assert store.keys() == []
 
 
-def test_keys_are_opaque_strings(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_keys_are_opaque_strings(open_store: StoreFactory) -> None:
+    store = open_store()
     odd = ["a..b/c", "layer.0/exp_avg", "ünïcode ✓", ".", "..x/y.."]
     for i, key in enumerate(odd):
         store[key] = torch.tensor([i])
@@ -264,14 +274,14 @@ def test_keys_are_opaque_strings(make_store: StoreFactory) -> None:
     assert all(store[key].item() == i for i, key in enumerate(odd))
 
 
-def test_put_rejects_non_tensors(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_put_rejects_non_tensors(open_store: StoreFactory) -> None:
+    store = open_store()
     with pytest.raises(BufferMismatchError):
         store.put("x", [1, 2, 3])  # type: ignore[arg-type]
 
 
-def test_closed_store(make_store: StoreFactory) -> None:
-    store = make_store(policy="write-through")
+def test_closed_store(open_store: StoreFactory) -> None:
+    store = open_store(policy="write-through")
     store["x"] = torch.ones(10)
     store.close()
     assert all(tier.backend.closed for tier in store.tiers)
@@ -352,10 +362,10 @@ UNSTORABLE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
 
 @pytest.mark.parametrize("kind", list(UNSTORABLE))
 def test_tensors_without_plain_memory_are_refused_and_nothing_is_written(
-    make_store: StoreFactory, kind: str
+    open_store: StoreFactory, kind: str
 ) -> None:
     make, reason = UNSTORABLE[kind]
-    store = make_store(cache_budget=0)
+    store = open_store(cache_budget=0)
     store["k"] = torch.arange(3.0)
     tensor = make()
     with pytest.raises(BufferMismatchError, match=rf"put\('k'\): {reason}"):
@@ -366,8 +376,8 @@ def test_tensors_without_plain_memory_are_refused_and_nothing_is_written(
             store.get("k", out=tensor)
 
 
-def test_prefetch_of_one_string_is_refused(make_store: StoreFactory) -> None:
-    store = make_store()
+def test_prefetch_of_one_string_is_refused(open_store: StoreFactory) -> None:
+    store = open_store()
     store["layer"] = torch.ones(3)
     for wrong in ("layer", None, 3):
         with pytest.raises(
@@ -387,8 +397,8 @@ def test_close_removes_tier_objects(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_concurrent_clients(make_store: StoreFactory) -> None:
-    store = make_store(cache_budget=128 << 10)
+def test_concurrent_clients(open_store: StoreFactory) -> None:
+    store = open_store(cache_budget=128 << 10)
     errors: list[BaseException] = []
 
     def client(index: int) -> None:
@@ -489,8 +499,8 @@ def test_failed_write_backs_blocking_the_cache_raise_instead_of_hanging() -> Non
         assert all(torch.equal(store[k], torch.ones(1024)) for k in "abc")
 
 
-def test_cache_hint_bypasses_the_cache(make_store: StoreFactory) -> None:
-    store = make_store(cache_budget=1 << 20)
+def test_cache_hint_bypasses_the_cache(open_store: StoreFactory) -> None:
+    store = open_store(cache_budget=1 << 20)
     value = torch.arange(1000.0)
     store.put("x", value, cache=False).result()
     info = store.info("x")
@@ -522,11 +532,11 @@ def test_concurrent_puts_get_distinct_backend_names() -> None:
 
 @pytest.mark.parametrize("cache_budget", [0, 1 << 20], ids=["on the tier", "dirty in the cache"])
 def test_copy_to_commits_every_key_in_the_destination(
-    make_store: StoreFactory, tmp_path: Path, cache_budget: int
+    open_store: StoreFactory, tmp_path: Path, cache_budget: int
 ) -> None:
     """Objects on a tier, small ones in a pack and dirty cached ones all arrive in a persistent
     destination, which reopens with them after the source is gone."""
-    source = make_store(cache_budget=cache_budget, pack_below=1 << 10)
+    source = open_store(cache_budget=cache_budget, pack_below=1 << 10)
     tensors = {f"k{i}": torch.arange(1000 * (i + 1), dtype=torch.float32) for i in range(3)}
     tensors["small"] = torch.arange(10)
     for key, tensor in tensors.items():

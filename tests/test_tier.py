@@ -1,6 +1,8 @@
 """Virtual tiers: objects striped or placed across several paths, through the whole store."""
 
 import random
+import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -152,13 +154,65 @@ def test_probe_results_are_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert store.tiers[0].paths[0].configured == first  # from the cache, not re-measured
 
 
+class HeldReadDram(DramBackend):
+    """A DRAM backend that records each request as its path starts it, and can keep one read in
+    flight until released (its future stays open: the read holds its slot on the path while the
+    path's dispatcher goes on choosing what starts next)."""
+
+    def __init__(self) -> None:
+        super().__init__(DramOptions())
+        self.started: list[str] = []
+        self.read_held = threading.Event()
+        self._hold_next_read = False
+        self._held: Future[None] = Future()
+
+    def hold_next_read(self) -> None:
+        self._hold_next_read = True
+
+    def release(self) -> None:
+        """Let the held read finish (if it has not yet)."""
+        if not self._held.done():
+            self._held.set_result(None)
+
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        self.started.append(f"write {name}")
+        return super()._write(name, offset, data)
+
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        self.started.append(f"read {name}")
+        done = super()._read_into(name, offset, out)
+        if not self._hold_next_read:
+            return done
+        self._hold_next_read = False
+        self.read_held.set()
+        return self._held
+
+
 def test_tier_priorities_reach_the_paths() -> None:
-    path = dram_path("p", 1e9, 1e9)
+    """A tier's writes and reads reach the path's scheduler at the priority the tier was given:
+    with the path's one read slot taken, a critical read queues and a background write submitted
+    after it waits for it (write-back yields to anything more urgent). Were the write's priority
+    lost (or the read's lowered to background), the write, on a free write slot, would start at
+    once, ahead of the read."""
+    backend = HeldReadDram()
+    path = TierPath("p", backend, bandwidth=Bandwidth(1e9, 1e9), max_reads=1, adapt=False)
     tier = Tier("v", [path])
-    placement = tier.write("obj", memoryview(bytes(4096)), Priority.BACKGROUND).result()
-    tier.read_into(placement, memoryview(bytearray(4096)), Priority.CRITICAL).result()
-    assert path.scheduler.telemetry.requests == 2
-    tier.close()
+    try:
+        placement = tier.write("obj", memoryview(bytes(4096)), Priority.CRITICAL).result()
+        backend.hold_next_read()
+        held = tier.read_into(placement, memoryview(bytearray(4096)), Priority.CRITICAL)
+        assert backend.read_held.wait(timeout=30)
+        queued = tier.read_into(placement, memoryview(bytearray(4096)), Priority.CRITICAL)
+        written = tier.write("later", memoryview(bytes(4096)), Priority.BACKGROUND)
+        time.sleep(0.2)  # time for the dispatcher to start the write, were it allowed to
+        assert not written.done() and backend.started == ["write obj", "read obj"]
+        backend.release()
+        for request in (held, queued, written):
+            request.result(timeout=30)
+        assert backend.started == ["write obj", "read obj", "read obj", "write later"]
+    finally:
+        backend.release()  # else closing would wait for the held read forever
+        tier.close()
 
 
 def test_open_backend_errors_close_earlier_paths(tmp_path: Path) -> None:

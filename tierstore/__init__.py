@@ -12,6 +12,7 @@ from .config import StoreConfig, default_config, load_config
 from .errors import (
     AlignmentError,
     BackendIOError,
+    BandwidthUnknownError,
     BufferMismatchError,
     CapacityError,
     CheckpointNotFoundError,
@@ -31,6 +32,7 @@ from .errors import (
 )
 from .namespaces import NamespaceClaim
 from .snapshot import export_hdf5, import_hdf5
+from .staging import StagingArea
 from .store import ObjectInfo, TierStore
 from .tier import Placement, Tier
 
@@ -40,6 +42,7 @@ __all__ = [
     "AlignedBuffer",
     "AlignmentError",
     "BackendIOError",
+    "BandwidthUnknownError",
     "BufferMismatchError",
     "BufferPool",
     "CapacityError",
@@ -55,6 +58,7 @@ __all__ = [
     "ObjectInfo",
     "OutOfRangeError",
     "Placement",
+    "StagingArea",
     "StoreClosedError",
     "StoreConfig",
     "StoreLockedError",

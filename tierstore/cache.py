@@ -1,17 +1,20 @@
-"""The DRAM write-back cache: which objects have a copy in pool buffers, and getting dirty copies
-onto a tier without ever exceeding the byte budget.
+"""The DRAM write-back cache: an optional layer over the catalog and the tier chain that keeps
+copies of objects in staging buffers and gets dirty copies onto a tier without ever exceeding its
+byte budget.
 
-The cache knows nothing of the store: it is given a writer (bytes -> a placement, the tier chain)
-and an ``on_written`` callback (the commit protocol, which journals the new versions and says which
-ones are still current). Write-back completions run on the cache's own completion thread, so a
-journal ``fdatasync`` or a stale copy's delete never holds up a backend's I/O threads.
+A store with a cache budget of 0 has no cache at all; puts and gets that bypass it
+(``cache=False``, the training workloads) touch it only to drop a stale copy of the key. The cache
+knows nothing of the store: it is given its memory (a :class:`~tierstore.staging.StagingArea`), a
+writer (bytes -> a placement: the tier chain) and its commit hook (``on_written``: the catalog's
+:meth:`~tierstore.catalog.Catalog.written`, which journals each written version if its record is
+still the key's current one). Each entry holds the record it caches, so that check needs nothing of
+the cache. Write-back completions run on the cache's own completion thread, so a journal
+``fdatasync`` or a stale copy's delete never holds up a backend's I/O threads.
 
 An entry's buffer goes back to the pool only when nothing uses it any more: no reader has it
 pinned, no write-back is reading from it, and it is no longer the object's current copy. Making
-room waits for write-back of dirty entries instead of growing.
-
-One lock (the store's, passed in) guards the cache together with the store's catalogue: which copy
-is current must change in the same step for both.
+room waits for write-back of dirty entries instead of growing. The cache's own lock guards its
+entries alone.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .buffers import AlignedBuffer, BufferPool, round_up
+from .buffers import AlignedBuffer, round_up
 from .errors import BackendIOError, CapacityError, StoreClosedError
 from .limits import Priority
 
 if TYPE_CHECKING:
+    from .catalog import Record
+    from .staging import StagingArea
     from .tier import Placement
 
 PACK_BYTES = 4 << 20
@@ -37,16 +42,18 @@ PACK_BYTES = 4 << 20
 
 Writer = Callable[[memoryview, Priority], "Future[Placement]"]
 PackWriter = Callable[[memoryview, Sequence[tuple[int, int]], Priority], "Future[list[Placement]]"]
-OnWritten = Callable[[Sequence["CacheEntry"], Sequence["Placement"]], list[bool]]
-"""Given entries written back and their new placements, commit those still current and return
-which; raises if committing failed (it disposes of the placements itself)."""
+OnWritten = Callable[[Sequence[tuple[str, "Record"]], Sequence["Placement"]], list[bool]]
+"""Given the (key, record) of versions written back and their new placements, commit those still
+current and return which; raises if committing failed (it disposes of the placements itself)."""
 
 
 @dataclass(eq=False)
 class CacheEntry:
+    """A cached copy of one version of ``key``: ``record`` is that version's catalog record."""
+
     key: str
+    record: Record
     buffer: AlignedBuffer
-    nbytes: int
     dirty: bool
     pins: int = 0
     """Readers copying out of the buffer right now."""
@@ -56,9 +63,13 @@ class CacheEntry:
     """Still the object's current cached copy (False once replaced, deleted or evicted)."""
     writeback_error: BaseException | None = field(default=None, repr=False)
 
-    def typed(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    @property
+    def nbytes(self) -> int:
+        return self.record.nbytes
+
+    def typed(self) -> torch.Tensor:
         """The cached bytes viewed as the object's tensor (shares the buffer)."""
-        return self.buffer.view(self.nbytes).view(dtype).view(shape)
+        return self.buffer.view(self.nbytes).view(self.record.dtype).view(self.record.shape)
 
     def memoryview(self) -> memoryview:
         return self.buffer.memoryview(self.nbytes)
@@ -76,6 +87,9 @@ class LruIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
 
     def __iter__(self) -> Iterator[CacheEntry]:
         return iter(list(self._entries.values()))
@@ -107,18 +121,21 @@ class WriteBackCache:
 
     def __init__(
         self,
-        budget: int,
-        lock: threading.Condition,
+        memory: StagingArea,
         *,
         write: Writer,
         write_pack: PackWriter,
         on_written: OnWritten,
         pack_below: int,
     ) -> None:
-        self.lock = lock
+        """``memory``: the buffers cached copies live in (its budget is the cache's; the cache
+        closes it); ``write`` / ``write_pack``: put bytes on a tier (one object, or small objects
+        packed into one); ``on_written``: the commit hook (see :data:`OnWritten`);
+        ``pack_below``: dirty objects smaller than this are written back in packs."""
+        self.lock = threading.Condition()
         self.pack_below = pack_below
         """Dirty objects smaller than this are written back in packs (one backend object each)."""
-        self._pool = BufferPool(budget)
+        self._memory = memory
         self._index = LruIndex()
         self._write = write
         self._write_pack = write_pack
@@ -131,62 +148,70 @@ class WriteBackCache:
 
     @property
     def capacity(self) -> int:
-        return self._pool.capacity
+        return self._memory.capacity
 
     def fits(self, nbytes: int) -> bool:
         """Whether an object of ``nbytes`` can ever be cached (it is not larger than the budget)."""
-        return self._pool.fits(nbytes)
+        return self._memory.fits(nbytes)
 
-    # -- lookups (hold ``lock``) ------------------------------------------------------------------
-    def lookup(self, key: str) -> CacheEntry | None:
-        return self._index.get(key)
+    # -- lookups --------------------------------------------------------------------------------------
+    def state(self, key: str) -> tuple[bool, bool]:
+        """Whether ``key`` has a cached copy, and whether that copy is dirty (newer than any
+        copy on a tier)."""
+        with self.lock:
+            entry = self._index.get(key)
+            return entry is not None, entry is not None and entry.dirty
 
     def pin(self, key: str) -> CacheEntry | None:
         """The current copy of ``key``, pinned against release, or None (a miss)."""
-        entry = self._index.get(key)
-        if entry is None:
-            self._counters["misses"] += 1
-            return None
-        entry.pins += 1
-        self._index.touch(entry)
-        self._counters["hits"] += 1
-        return entry
+        with self.lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self._counters["misses"] += 1
+                return None
+            entry.pins += 1
+            self._index.touch(entry)
+            self._counters["hits"] += 1
+            return entry
 
     def touch(self, key: str) -> bool:
         """Mark ``key`` recently used; False if it is not cached."""
-        entry = self._index.get(key)
-        if entry is not None:
-            self._index.touch(entry)
-        return entry is not None
+        with self.lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._index.touch(entry)
+            return entry is not None
 
-    def attach(self, key: str, entry: CacheEntry | None) -> None:
-        """Make ``entry`` the current copy of ``key`` (None: the key has no cached copy now)."""
-        previous = self._index.get(key)
-        if previous is not None and previous is not entry:
-            self._detach(previous)
-        if entry is not None:
+    def attach(self, entry: CacheEntry) -> None:
+        """Make ``entry`` the current copy of its key (the previous copy is dropped)."""
+        with self.lock:
+            previous = self._index.get(entry.key)
+            if previous is not None:
+                self._detach(previous)
             self._index.insert(entry)
 
     # -- entries ----------------------------------------------------------------------------------
-    def new_entry(self, key: str, nbytes: int, *, dirty: bool, pins: int = 0) -> CacheEntry:
-        """An unattached entry with a buffer for ``nbytes`` (making room as needed)."""
-        return CacheEntry(key, self._acquire(nbytes), nbytes, dirty=dirty, pins=pins)
+    def new_entry(self, key: str, record: Record, *, dirty: bool, pins: int = 0) -> CacheEntry:
+        """An unattached entry with a buffer for ``record``'s bytes (making room as needed)."""
+        return CacheEntry(key, record, self._acquire(record.nbytes), dirty=dirty, pins=pins)
 
     def abandon(self, entry: CacheEntry) -> None:
-        """Give back the buffer of an entry that was never attached (its fill failed)."""
+        """Give back the buffer of an entry that was never attached (its fill or commit failed)."""
         with self.lock:
-            self._pool.release(entry.buffer)
+            self._memory.release(entry.buffer)
+            self.lock.notify_all()
 
-    def load(self, key: str, nbytes: int, read: Callable[[memoryview], None], *, pinned: bool) -> CacheEntry:
-        """Fill a new clean entry with ``read`` and attach it as ``key``'s copy."""
-        entry = self.new_entry(key, nbytes, dirty=False, pins=int(pinned))
+    def load(
+        self, key: str, record: Record, read: Callable[[memoryview], None], *, pinned: bool
+    ) -> CacheEntry:
+        """Fill a new clean entry for ``record`` with ``read`` and attach it as ``key``'s copy."""
+        entry = self.new_entry(key, record, dirty=False, pins=int(pinned))
         try:
             read(entry.memoryview())
         except BaseException:
             self.abandon(entry)
             raise
-        with self.lock:
-            self.attach(key, entry)
+        self.attach(entry)
         return entry
 
     def unpin(self, entry: CacheEntry) -> None:
@@ -206,7 +231,7 @@ class WriteBackCache:
             for entry in dirty:
                 entry.writeback_error = None
                 self._begin_write_back(entry)
-        pack_bytes = min(PACK_BYTES, self._pool.capacity // 4)
+        pack_bytes = min(PACK_BYTES, self._memory.capacity // 4)
         batch: list[CacheEntry] = []
         batch_bytes = 0
         for entry in dirty:
@@ -236,9 +261,9 @@ class WriteBackCache:
             with self.lock:
                 if self._closed:
                     raise StoreClosedError("the TierStore is closed")
-                buffer = self._pool.try_acquire(nbytes)
+                buffer = self._memory.try_acquire(nbytes)
                 if buffer is not None:
-                    self._peak_bytes = max(self._peak_bytes, self._pool.allocated_bytes)
+                    self._peak_bytes = max(self._peak_bytes, self._memory.allocated_bytes)
                     return buffer
                 victim = self._index.victim()
                 if victim is not None and not victim.dirty:
@@ -255,7 +280,7 @@ class WriteBackCache:
     def _wait_for_room(self, needed: int) -> None:
         """Wait for a pin, load or write-back to end; fail if failed write-backs hold the room."""
         stuck = sum(e.buffer.capacity for e in self._index if e.writeback_error is not None)
-        if self._pool.capacity - stuck < needed:
+        if self._memory.capacity - stuck < needed:
             cause = next(e.writeback_error for e in self._index if e.writeback_error is not None)
             raise CapacityError(
                 f"no cache room for {needed} bytes: {stuck} bytes are dirty objects whose "
@@ -283,7 +308,7 @@ class WriteBackCache:
         together once the whole pack is written, so no reader sees part of one."""
         total = sum(entry.nbytes for entry in entries)
         with self.lock:
-            staging = self._pool.try_acquire(total) if len(entries) > 1 else None
+            staging = self._memory.try_acquire(total) if len(entries) > 1 else None
         if staging is None:
             for entry in entries:
                 self._write_back(entry)
@@ -300,7 +325,7 @@ class WriteBackCache:
 
         def done(written: Future[list[Placement]]) -> None:
             with self.lock:
-                self._pool.release(staging)
+                self._memory.release(staging)
             error = written.exception()
             self._finish(entries, None if error else written.result(), error)
 
@@ -318,7 +343,7 @@ class WriteBackCache:
         clean = [False] * len(entries)
         if placements is not None:
             try:
-                clean = self._on_written(entries, placements)
+                clean = self._on_written([(entry.key, entry.record) for entry in entries], placements)
             except BaseException as commit_error:
                 error = commit_error
         with self.lock:
@@ -337,9 +362,12 @@ class WriteBackCache:
     # -- release ----------------------------------------------------------------------------------
     def drop(self, key: str) -> None:
         """Forget ``key``'s cached copy (deleted, or replaced by a copy only on a tier)."""
-        entry = self._index.get(key)
-        if entry is not None:
-            self._detach(entry)
+        if key not in self._index:  # the common case of a bypassing put, without the lock
+            return
+        with self.lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._detach(entry)
 
     def _detach(self, entry: CacheEntry) -> None:
         self._index.detach(entry)
@@ -348,16 +376,17 @@ class WriteBackCache:
 
     def _release_if_unused(self, entry: CacheEntry) -> None:
         if entry.releasable:
-            self._pool.release(entry.buffer)
+            self._memory.release(entry.buffer)
 
     def stats(self) -> dict[str, Any]:
-        """Counters and byte figures (call with ``lock`` held)."""
-        return {
-            **self._counters,
-            "cache_budget_bytes": self._pool.capacity,
-            "cache_bytes": self._pool.allocated_bytes,
-            "peak_cache_bytes": self._peak_bytes,
-        }
+        """Counters and byte figures."""
+        with self.lock:
+            return {
+                **self._counters,
+                "cache_budget_bytes": self._memory.capacity,
+                "cache_bytes": self._memory.allocated_bytes,
+                "peak_cache_bytes": self._peak_bytes,
+            }
 
     def close(self) -> None:
         """Wait for write-backs in flight, then release every buffer."""
@@ -366,6 +395,6 @@ class WriteBackCache:
             self.lock.wait_for(lambda: not self._writebacks)
             for entry in self._index:
                 self._index.detach(entry)
-                self._pool.release(entry.buffer)
+                self._memory.release(entry.buffer)
         self._completions.shutdown(wait=True)
-        self._pool.clear()
+        self._memory.close()

@@ -5,19 +5,23 @@ Metadata commits only after the data it points to is complete: a new version is 
 fresh backend name first, journaled (fsynced) after, and only then is the version it replaces
 deleted, so a crash leaves each key at its old or its new version. A version still only in the
 write-back cache keeps the journaled one alive (``Record.journaled``) until it is written back.
+
+The catalog knows nothing of the cache: a version whose bytes are only in DRAM is a record without
+a placement, and the cache, once it has written such a version to a tier, commits the placement
+through :meth:`Catalog.written`, which applies it only if that record is still the key's current
+one. Its own lock guards the records alone.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .cache import CacheEntry
 from .chain import TierChain
 from .dtypes import dtype_from_name, dtype_name
 from .errors import CapacityError, ConfigError, KeyNotFoundError
@@ -46,10 +50,13 @@ class Record:
 class Catalog:
     """Records by key, committed through the manifest when there is one."""
 
-    def __init__(self, chain: TierChain, lock: threading.Condition, manifest: Manifest | None) -> None:
+    def __init__(self, chain: TierChain, manifest: Manifest | None) -> None:
+        """``chain``: where the versions' bytes live (superseded ones are discarded through it);
+        ``manifest``: the journal of a persistent store, or None for a scratch store."""
         self.chain = chain
-        self.lock = lock
         self.manifest = manifest
+        self._lock = threading.Lock()
+        """Guards ``_records``: held only for lookups and swaps, never across I/O."""
         self._records: dict[str, Record] = {}
         self._ordered = threading.Lock()
         """Held across each change's journal line and record swap, so the journal's order is the
@@ -75,17 +82,16 @@ class Catalog:
         return len(self._records)
 
     def keys(self) -> list[str]:
-        with self.lock:
+        with self._lock:
             return list(self._records)
 
     def __iter__(self) -> Iterator[Record]:
         return iter(list(self._records.values()))
 
     # -- changes ----------------------------------------------------------------------------------
-    def commit(self, key: str, record: Record, attach: Callable[[], None]) -> None:
-        """Make ``record`` the current version of ``key``; ``attach`` runs in the same locked step
-        (the cache adopting the version's copy). The previous version is deleted, except that a
-        persistent store keeps the journaled one until a newer one is journaled."""
+    def commit(self, key: str, record: Record) -> None:
+        """Make ``record`` the current version of ``key``. The previous version is deleted,
+        except that a persistent store keeps the journaled one until a newer one is journaled."""
         with self._ordered:
             if record.persisted is not None:
                 try:
@@ -95,10 +101,9 @@ class Catalog:
                     raise
             if record.scratch and self.manifest is not None and key in self.manifest.entries:
                 self.manifest.remove(key)  # the journaled version it replaces is about to go
-            with self.lock:
+            with self._lock:
                 previous = self._records.get(key)
                 self._records[key] = record
-                attach()
                 if previous is None:
                     return
                 keep = previous.journaled or previous.persisted
@@ -107,37 +112,38 @@ class Catalog:
                 garbage = {previous.persisted, previous.journaled} - {None, record.journaled}
         self.chain.discard(garbage)
 
-    def written(self, entries: Sequence[CacheEntry], placements: Sequence[Placement]) -> list[bool]:
-        """Commit write-backs still current (journaled together: one sync for a pack); versions
+    def written(self, versions: Sequence[tuple[str, Record]], placements: Sequence[Placement]) -> list[bool]:
+        """Commit versions the write-back cache has written to a tier: ``versions`` are (key,
+        record) pairs as the cache held them, ``placements`` where each now lies. Those whose record
+        is still the key's current one are journaled together (one sync for a pack); versions
         replaced or deleted meanwhile, and the ones the committed versions supersede, are garbage.
-        Returns which entries are now clean; on a journal failure discards every placement."""
+        Returns which versions were committed; on a journal failure discards every placement and
+        raises."""
         with self._ordered:
-            with self.lock:
-                records = [self._records.get(entry.key) if entry.attached else None for entry in entries]
+            with self._lock:
+                current = [self._records.get(key) is record for key, record in versions]
             committed = {
-                entry.key: (record, placement)
-                for entry, record, placement in zip(entries, records, placements, strict=True)
-                if record is not None
+                key: (record, placement)
+                for (key, record), placement, now in zip(versions, placements, current, strict=True)
+                if now
             }
-            garbage = [
-                placement for record, placement in zip(records, placements, strict=True) if record is None
-            ]
+            garbage = [placement for placement, now in zip(placements, current, strict=True) if not now]
             try:
                 self._journal(committed)
             except BaseException:
                 self.chain.discard(garbage + [placement for _, placement in committed.values()])
                 raise
-            with self.lock:
+            with self._lock:
                 for record, placement in committed.values():
                     garbage.extend(p for p in (record.persisted, record.journaled) if p is not None)
                     record.persisted, record.journaled = placement, None
         self.chain.discard(garbage)
-        return [record is not None for record in records]
+        return current
 
     def remove(self, key: str) -> Record:
         """Forget ``key`` and delete its versions; returns its last record."""
         with self._ordered:
-            with self.lock:
+            with self._lock:
                 record = self.record(key)
                 del self._records[key]
             if self.manifest is not None and key in self.manifest.entries:
@@ -147,7 +153,7 @@ class Catalog:
 
     def close(self) -> None:
         """A scratch store deletes every version; a persistent one compacts its manifest."""
-        with self.lock:
+        with self._lock:
             placements = [record.persisted for record in self._records.values() if record.persisted]
             self._records.clear()
         if self.manifest is None:
@@ -208,7 +214,7 @@ def _mismatch(entry: dict[str, Any], dtype: torch.dtype) -> str | None:
 
 def _manifest_entry(record: Record, placement: Placement) -> dict[str, Any]:
     """A key's manifest entry; a packed object adds ``pack`` (its offset and checksum in the pack
-    object ``name``, whose extents are ``extents``), so older entries keep their meaning."""
+    object ``name``, whose extents are ``extents``); an unpacked object's entry has no ``pack``."""
     entry = {
         "shape": list(record.shape),
         "dtype": dtype_name(record.dtype),

@@ -40,7 +40,18 @@ SAMPLE_EVERY = 16
 
 
 class TierChain:
-    """Persistent tiers tried in order; the only way the store touches tiers."""
+    """Persistent tiers tried in order; the only way the store touches tiers.
+
+    Args:
+        tiers: the tiers, fastest (tried first) to last; no two paths may share a medium.
+        token: this store session's token (:attr:`Manifest.token`, or a fresh one for a scratch
+            store), which prefixes every backend object name the chain makes.
+        verify: when reads check checksums: ``"always"``, ``"sampled"`` (one read in
+            :data:`SAMPLE_EVERY`) or ``"off"`` (and then nothing is checksummed at all).
+
+    Raises:
+        ConfigError: two paths share a medium.
+    """
 
     def __init__(self, tiers: Sequence[Tier], *, token: str, verify: str) -> None:
         check_distinct_locations(tiers)
@@ -200,8 +211,10 @@ class TierChain:
         return speeds
 
     def stats(self) -> dict[str, Any]:
+        """Each tier's :meth:`Tier.stats`, by tier name."""
         return {tier.name: tier.stats() for tier in self.tiers}
 
     def close(self) -> None:
+        """Close every tier (their schedulers and backends)."""
         for tier in self.tiers:
             tier.close()

@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,47 +36,75 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .arguments import byte_size, positive_byte_size, positive_int
 from .backends import open_backend
 from .bandwidth import ProbeCache, probe
 from .bench import Timeline, measure_path, measure_tier, plot_timeline
-from .config import StoreConfig, default_config, load_config, parse_byte_size
-from .errors import ConfigError, TierStoreError
+from .config import StoreConfig, default_config, load_config
+from .demo import run_training, training_failure
+from .errors import TierStoreError
 from .store import TierStore
 from .tier import Tier
 
 
-def _byte_size(text: str) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tierstore`` command line on ``argv`` (default: the process's arguments); return
+    its exit status: 0, 1 when a run fails its own check, 2 for a usage or store error, 130 when
+    interrupted."""
+    parser = argparse.ArgumentParser(prog="tierstore", description=(__doc__ or "").split("\n\n")[0])
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="one of these (COMMAND --help for its options):",
+    )
+    default_dir = default_config()["tiers"][0]["backend"]["path"]
+    command_parsers = {
+        "train": _add_train(commands, default_dir),
+        "spill": _add_spill(commands, default_dir),
+        "probe": _add_probe(commands),
+        "bench": _add_bench(commands),
+    }
+    args = parser.parse_args(argv)
+    problem = _usage_problem(args)
+    if problem is not None:
+        command_parsers[args.command].error(problem)
     try:
-        return parse_byte_size(text)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        run: Callable[[argparse.Namespace], int] = args.run  # the command's, set by its parser
+        return run(args)
+    except TierStoreError as error:
+        print(f"tierstore {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the context managers on the way out have cleaned up
+        print(f"tierstore {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
-def _positive_byte_size(text: str) -> int:
-    size = _byte_size(text)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {text!r}")
-    return size
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """A usage error that no one option shows, found before any work (options that do not fit
+    together, an output that could not be written), or None."""
+    if args.command == "spill" and args.total % args.object:
+        return f"argument --total: {args.total} bytes is not a multiple of --object ({args.object} bytes)"
+    if args.command == "bench":  # a report must never be lost to an output it cannot write
+        for option, path in (("--output", args.output), ("--plot", args.plot)):
+            problem = None if path is None else _unwritable(path)
+            if problem is not None:
+                return f"argument {option}: {problem}"
+        if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+            return "argument --plot: needs matplotlib: pip install 'tierstore[plot]'"
+    return None
 
 
-def _whole_words(text: str) -> int:
-    """An object size for ``spill``: its tensors are int32 words, so a positive multiple of 4."""
-    size = _byte_size(text)
-    if size < 4 or size % 4:
-        raise argparse.ArgumentTypeError(
-            f"must be a positive multiple of 4 bytes (int32 words), not {text!r}"
-        )
-    return size
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _unwritable(path: Path) -> str | None:
+    """Why a file could not be written at ``path`` (checked before a long run), or None."""
+    parent = path.absolute().parent
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None
 
 
 @contextmanager
@@ -95,7 +123,151 @@ def _removed_if_created(directory: Path) -> Iterator[None]:
                 break
 
 
-def demo_tensor(base: torch.Tensor, index: int) -> torch.Tensor:
+# -- train ---------------------------------------------------------------------------------------
+def _add_train(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], default_dir: str
+) -> argparse.ArgumentParser:
+    """Add ``train`` and its options to ``commands``; its parser (whose usage its errors print)."""
+    train = commands.add_parser(
+        "train",
+        help="main job: train a GPT with its optimizer state and activations offloaded",
+        description="Train a GPT-style model on the standard library's source text with OffloadedAdamW "
+        "or APOLLO-Mini (fp32 state several times its DRAM budget) and ActivationOffload (saved "
+        "activations several times theirs), over the embedded default config (one NVMe tier); print "
+        "loss, step time, resident activation bytes and GB/s.",
+    )
+    train.add_argument("--dir", type=Path, help=f"directory of the NVMe tier (default ./{default_dir})")
+    train.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (4)")
+    train.add_argument("--width", type=positive_int, default=256, help="model width, 64 per head (256)")
+    train.add_argument("--length", type=positive_int, default=128, help="tokens per sequence (128)")
+    train.add_argument("--batch", type=positive_int, default=8, help="sequences per step (8)")
+    train.add_argument("--steps", type=positive_int, default=6, help="optimizer steps (6)")
+    train.add_argument(
+        "--sub-group-size", type=positive_int, default=250_000, help="elements per sub-group (250000)"
+    )
+    train.add_argument(
+        "--dram-budget",
+        type=positive_byte_size,
+        default=byte_size("16MiB"),
+        help="optimizer DRAM: read-ahead ring, gradient buffer, kept sub-groups (16MiB)",
+    )
+    train.add_argument(
+        "--optimizer",
+        choices=["adamw", "apollo-mini"],
+        default="adamw",
+        help="offloaded AdamW (12 bytes of fp32 state per parameter), or APOLLO-Mini (rank-1 "
+        "APOLLO on the blocks' matrices, about 4 bytes per parameter); default adamw",
+    )
+    train.add_argument(
+        "--activation-budget",
+        type=positive_byte_size,
+        default=byte_size("24MiB"),
+        help="activation bytes held in memory at once: being written, kept, read back (24MiB)",
+    )
+    train.set_defaults(run=_train)
+    return train
+
+
+def _train(args: argparse.Namespace) -> int:
+    """``train`` with the parsed options: the report (one JSON document) on stdout; a run that
+    fails its check (:func:`~tierstore.demo.training_failure`) says why on stderr and ends with
+    status 1."""
+    defaults = default_config()
+    directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
+    defaults["tiers"][0]["backend"]["path"] = str(directory)
+    with _removed_if_created(directory):
+        report = run_training(
+            defaults,
+            layers=args.layers,
+            width=args.width,
+            length=args.length,
+            batch=args.batch,
+            steps=args.steps,
+            sub_group_size=args.sub_group_size,
+            budget=args.dram_budget,
+            activation_budget=args.activation_budget,
+            optimizer_name=args.optimizer,
+        )
+    print(json.dumps(report, indent=2))
+    failure = training_failure(report)
+    if failure is not None:
+        print(f"tierstore train: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- spill ---------------------------------------------------------------------------------------
+def _add_spill(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], default_dir: str
+) -> argparse.ArgumentParser:
+    """Add ``spill`` and its options to ``commands``; its parser (whose usage its errors print)."""
+    spill = commands.add_parser(
+        "spill",
+        help="spill tensors larger than the DRAM budget and read them back",
+        description="Put --total bytes in objects of --object bytes through the store, flush, read "
+        "every one back and verify it; report GB/s and the bytes that reached the tiers.",
+    )
+    where = spill.add_mutually_exclusive_group()
+    where.add_argument("--config", type=Path, help="store config (.toml/.json); default: the embedded one")
+    where.add_argument(
+        "--dir", type=Path, help=f"directory of the default config's NVMe tier (./{default_dir})"
+    )
+    spill.add_argument(
+        "--total",
+        type=positive_byte_size,
+        default=byte_size("1GiB"),
+        help="bytes to spill, a multiple of --object (1GiB)",
+    )
+    spill.add_argument(
+        "--object",
+        type=_whole_words,
+        default=byte_size("32MiB"),
+        help="bytes per object, a multiple of 4 (32MiB)",
+    )
+    spill.add_argument(
+        "--budget",
+        type=byte_size,
+        help="DRAM cache budget (default: the config's, 256MiB embedded); 0 sends every object to a tier",
+    )
+    spill.set_defaults(run=_spill)
+    return spill
+
+
+def _whole_words(text: str) -> int:
+    """An object size for ``spill``: its tensors are int32 words, so a positive multiple of 4."""
+    size = byte_size(text)
+    if size < 4 or size % 4:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive multiple of 4 bytes (int32 words), not {text!r}"
+        )
+    return size
+
+
+def _spill(args: argparse.Namespace) -> int:
+    """``spill``: the report (one JSON document) on stdout, its one-line summary on stderr."""
+    config = default_config() if args.config is None else load_config(args.config).model_dump()
+    if args.budget is not None:
+        config["cache"] = {**config.get("cache", {}), "budget": args.budget}
+    if args.config is None:
+        directory = Path(args.dir or config["tiers"][0]["backend"]["path"])
+        config["tiers"][0]["backend"]["path"] = str(directory)
+        with _removed_if_created(directory):
+            report = run_spill(config, args.total, args.object)
+    else:
+        report = run_spill(config, args.total, args.object)
+    print(json.dumps(report, indent=2))
+    print(_spill_summary(report), file=sys.stderr)
+    if not report["verified"]:
+        print(
+            f"tierstore spill: {len(report['mismatched_objects'])} objects read back differ from what "
+            f"was put: {report['mismatched_objects'][:10]}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def spill_tensor(base: torch.Tensor, index: int) -> torch.Tensor:
     """Object ``index``: random int32 words plus ``index``, viewed as fp32 or bf16 alternately.
 
     Cheap to regenerate for verification, and any misplaced block or object changes its value.
@@ -103,7 +275,7 @@ def demo_tensor(base: torch.Tensor, index: int) -> torch.Tensor:
     return base.add(index).view(torch.float32 if index % 2 == 0 else torch.bfloat16)
 
 
-def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str, Any]:
+def run_spill(config: dict[str, Any], total: int, object_bytes: int) -> dict[str, Any]:
     """Put ``total`` bytes in objects of ``object_bytes`` (a multiple of 4 dividing ``total``),
     flush, read back, verify; return figures, with the bytes that reached the tiers."""
     count = total // object_bytes
@@ -125,7 +297,7 @@ def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str,
         started = time.perf_counter()
         pending = []
         for index in tqdm(range(count), desc="put", unit="obj", leave=False):
-            pending.append(store.put(f"tensor-{index}", demo_tensor(base, index)))
+            pending.append(store.put(f"tensor-{index}", spill_tensor(base, index)))
             if len(pending) > 4:  # keep a few puts in flight; each borrows its tensor
                 pending.pop(0).result()
         for future in pending:
@@ -154,119 +326,48 @@ def run_demo(config: dict[str, Any], total: int, object_bytes: int) -> dict[str,
     return report
 
 
-def run_training(
-    config: dict[str, Any],
-    *,
-    layers: int,
-    width: int,
-    length: int,
-    batch: int,
-    steps: int,
-    sub_group_size: int,
-    budget: int,
-    activation_budget: int,
-    optimizer_name: str = "adamw",
-) -> dict[str, Any]:
-    """Train a GPT-style model on text that ships with Python, with its fp32 optimizer state
-    (:class:`OffloadedAdamW`, or :class:`OffloadedAPOLLO` as APOLLO-Mini for ``"apollo-mini"``;
-    ``budget`` bytes of DRAM) and the activations saved for backward
-    (:class:`ActivationOffload`, ``activation_budget`` bytes, lifetime plan) both spilled to the
-    config's tiers through one store (which caches nothing itself)."""
-    from .activations import ActivationOffload  # the workloads sit above the store
-    from .optimizer import APOLLO_MINI, OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
-    from .testing.gpt import GPT, apollo_groups, batch_of, byte_corpus
-
-    settings = load_config(config)
-    torch.manual_seed(0)
-    # fp32 on the CPU: bf16 attention kernels run an order of magnitude slower there.
-    model = GPT(vocab=256, width=width, layers=layers, heads=max(1, width // 64), length=length)
-    corpus = byte_corpus()
-    parameters = sum(p.numel() for p in model.parameters())
-    # One DRAM ledger for both workloads: the store holds exactly their two budgets.
-    store_settings = settings.model_copy(
-        update={
-            "cache": settings.cache.model_copy(update={"budget": 0}),
-            "memory_budget": budget + activation_budget,
-        }
+def _spill_summary(report: dict[str, Any]) -> str:
+    """One line that says how many bytes moved to and from the tiers: with everything inside the
+    DRAM budget the reads are memory copies, not tier throughput."""
+    total, budget = report["total_bytes"], report["cache_budget_bytes"]
+    cache = f"{total / budget:.1f}x the DRAM budget" if budget else "no DRAM cache"
+    moved = (
+        f"{report['tier_bytes_written'] / 2**30:.2f} GiB written to the tiers, "
+        f"{report['tier_bytes_read'] / 2**30:.2f} GiB read back from them"
     )
-    report: dict[str, Any] = {
-        "optimizer": optimizer_name,
-        "parameters": parameters,
-        "dram_budget_bytes": budget,
-        "activation_budget_bytes": activation_budget,
-        "tokens_per_step": batch * length,
-        "steps": [],
-    }
-    with TierStore.from_config(store_settings) as store:
-        optimizer: StagedOptimizer
-        if optimizer_name == "apollo-mini":
-            optimizer = OffloadedAPOLLO(
-                apollo_groups(model, APOLLO_MINI),
-                store,
-                lr=1e-3,
-                sub_group_size=sub_group_size,
-                dram_budget=budget,
-                max_grad_norm=1.0,
-            )
-        else:
-            optimizer = OffloadedAdamW(
-                model.parameters(),
-                store,
-                lr=1e-3,
-                sub_group_size=sub_group_size,
-                dram_budget=budget,
-                max_grad_norm=1.0,
-            )
-        state_bytes = sum(4 * optimizer.state_numel(sg) for sg in optimizer.subgroups)
-        report["fp32_state_bytes"] = state_bytes
-        report["state_over_budget"] = round(state_bytes / budget, 2)
-        offload = ActivationOffload(store, budget=activation_budget, min_bytes="256KiB", plan="lifetime")
-        report["subgroups"] = len(optimizer.subgroups)
-        report["memory"] = store.stats()["memory"]
-        for step in range(steps):
-            tokens, targets = batch_of(corpus, step, batch, length)
-            before = {t.name: t.bytes_read + t.bytes_written for t in store.tiers}
-            started = time.perf_counter()
-            with offload:
-                loss = model(tokens, targets)
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            backward_done = time.perf_counter()
-            optimizer.step()
-            finished = time.perf_counter()
-            activations = offload.stats()
-            seconds = finished - started
-            tiers = {
-                t.name: round((t.bytes_read + t.bytes_written - before[t.name]) / seconds / 1e9, 3)
-                for t in store.tiers
-            }
-            entry = {
-                "step": step + 1,
-                "loss": round(float(loss.detach()), 5),
-                "step_s": round(seconds, 3),
-                "forward_backward_s": round(backward_done - started, 3),
-                "optimizer_step_s": round(finished - backward_done, 3),
-                "peak_resident_activation_bytes": activations["step_peak_resident_bytes"],
-                "keep_in_memory_activation_bytes": activations["step_saved_bytes"],
-                "activation_plan": "lifetime" if activations.get("predicted_step_s") else "profiling",
-                "gb_per_s": tiers,
-            }
-            report["steps"].append(entry)
-            print(
-                f"step {entry['step']}: loss {entry['loss']:.4f}  step {entry['step_s']:.2f} s "
-                f"(fwd+bwd {entry['forward_backward_s']:.2f}, optimizer {entry['optimizer_step_s']:.2f})  "
-                f"activations resident {entry['peak_resident_activation_bytes'] / 2**20:.1f} MiB of "
-                f"{entry['keep_in_memory_activation_bytes'] / 2**20:.1f} MiB saved "
-                f"({entry['activation_plan']})  "
-                + "  ".join(f"{name} {gbps} GB/s" for name, gbps in tiers.items()),
-                file=sys.stderr,
-            )
-        offload.close()
-        report["activation_stats"] = offload.stats()
-        report["activation_plan"] = offload.plan_explain()
-    losses = [entry["loss"] for entry in report["steps"]]
-    report["loss_decreased"] = losses[-1] < losses[0] if len(losses) > 1 else None  # one step: no trend
-    return report
+    if not report["tier_bytes_read"]:
+        moved += " (every read was served from DRAM: lower --budget to read from a tier)"
+    return (
+        f"spilled {total / 2**30:.2f} GiB ({report['objects']} objects, {cache}); {moved}: "
+        f"put+flush {report['put_and_flush_gb_per_s']} GB/s, get+verify "
+        f"{report['get_and_verify_gb_per_s']} GB/s, verified={report['verified']}"
+    )
+
+
+# -- probe ---------------------------------------------------------------------------------------
+def _add_probe(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``probe`` and its options to ``commands``; its parser (whose usage its errors print)."""
+    probe_command = commands.add_parser(
+        "probe",
+        help="measure each path's read and write bandwidth",
+        description="Write and read back a scratch object on every path of every tier; print GB/s, "
+        "the probe's object size and whether each figure was measured now or taken from the cache "
+        "(~/.cache/tierstore/bandwidth.json: a probe of the same --size at most a week old).",
+    )
+    probe_command.add_argument("config", type=Path, help="store config (.toml/.json)")
+    probe_command.add_argument(
+        "--size", type=positive_byte_size, default=byte_size("64MiB"), help="probe object size (64MiB)"
+    )
+    probe_command.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
+    probe_command.set_defaults(run=_probe)
+    return probe_command
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """``probe``: the report (one JSON document) on stdout."""
+    report = run_probe(load_config(args.config), args.size, args.refresh)
+    print(json.dumps(report, indent=2, default=str))
+    return 0
 
 
 def run_probe(config: StoreConfig, size: int, refresh: bool) -> dict[str, Any]:
@@ -294,6 +395,52 @@ def run_probe(config: StoreConfig, size: int, refresh: bool) -> dict[str, Any]:
                 "measured_at": datetime.fromtimestamp(probed.measured_at, UTC).isoformat(timespec="seconds"),
             }
     return report
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def _add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``bench`` and its options to ``commands``; its parser (whose usage its errors print)."""
+    bench = commands.add_parser(
+        "bench",
+        help="throughput of each path and of each multi-path tier",
+        description="Measure each path alone, then each tier with all its paths; print a JSON report.",
+    )
+    bench.add_argument("config", type=Path, help="store config (.toml/.json)")
+    bench.add_argument(
+        "--size", type=positive_byte_size, default=byte_size("64MiB"), help="object size (64MiB)"
+    )
+    bench.add_argument("--objects", type=positive_int, default=8, help="objects per measurement (8)")
+    bench.add_argument("--output", type=Path, help="write the JSON report here too")
+    bench.add_argument("--plot", type=Path, help="PNG of GB/s per path over time (needs matplotlib)")
+    bench.set_defaults(run=_bench)
+    return bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``bench``: the report (one JSON document) on stdout, and in ``--output``; the plot in
+    ``--plot``. A report that cannot be written to its file is still printed, with status 1."""
+    report = run_bench(load_config(args.config), args.size, args.objects)
+    if args.plot is not None:
+        try:
+            plot_timeline(
+                report["timeline_gb_per_s"], f"tierstore bench: {args.size >> 20} MiB objects", str(args.plot)
+            )
+            report["plot"] = str(args.plot)
+        except OSError as error:
+            report["plot_error"] = f"{args.plot}: {error.strerror or error}"
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.output is not None:
+        try:
+            args.output.write_text(text + "\n")
+        except OSError as error:
+            print(
+                f"tierstore bench: the report above was not written to {args.output}: "
+                f"{error.strerror or error}",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
 
 
 def run_bench(config: StoreConfig, size: int, count: int) -> dict[str, Any]:
@@ -329,245 +476,6 @@ def run_bench(config: StoreConfig, size: int, count: int) -> dict[str, Any]:
             tier.close()
     report["timeline_gb_per_s"] = series
     return report
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    default_dir = default_config()["tiers"][0]["backend"]["path"]
-    parser = argparse.ArgumentParser(prog="tierstore", description=(__doc__ or "").split("\n\n")[0])
-    commands = parser.add_subparsers(
-        dest="command",
-        required=True,
-        metavar="COMMAND",
-        help="one of these (COMMAND --help for its options):",
-    )
-    train = commands.add_parser(
-        "train",
-        help="main job: train a GPT with its optimizer state and activations offloaded",
-        description="Train a GPT-style model on the standard library's source text with OffloadedAdamW "
-        "or APOLLO-Mini (fp32 state several times its DRAM budget) and ActivationOffload (saved "
-        "activations several times theirs), over the embedded default config (one NVMe tier); print "
-        "loss, step time, resident activation bytes and GB/s.",
-    )
-    train.add_argument("--dir", type=Path, help=f"directory of the NVMe tier (default ./{default_dir})")
-    train.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (4)")
-    train.add_argument("--width", type=_positive_int, default=256, help="model width, 64 per head (256)")
-    train.add_argument("--length", type=_positive_int, default=128, help="tokens per sequence (128)")
-    train.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (8)")
-    train.add_argument("--steps", type=_positive_int, default=6, help="optimizer steps (6)")
-    train.add_argument(
-        "--sub-group-size", type=_positive_int, default=250_000, help="elements per sub-group (250000)"
-    )
-    train.add_argument(
-        "--dram-budget",
-        type=_positive_byte_size,
-        default=_byte_size("16MiB"),
-        help="optimizer DRAM: read-ahead ring, gradient buffer, kept sub-groups (16MiB)",
-    )
-    train.add_argument(
-        "--optimizer",
-        choices=["adamw", "apollo-mini"],
-        default="adamw",
-        help="offloaded AdamW (12 bytes of fp32 state per parameter), or APOLLO-Mini (rank-1 "
-        "APOLLO on the blocks' matrices, about 4 bytes per parameter); default adamw",
-    )
-    train.add_argument(
-        "--activation-budget",
-        type=_positive_byte_size,
-        default=_byte_size("24MiB"),
-        help="activation bytes held in memory at once: being written, kept, read back (24MiB)",
-    )
-    demo = commands.add_parser(
-        "spill",
-        help="spill tensors larger than the DRAM budget and read them back",
-        description="Put --total bytes in objects of --object bytes through the store, flush, read "
-        "every one back and verify it; report GB/s and the bytes that reached the tiers.",
-    )
-    where = demo.add_mutually_exclusive_group()
-    where.add_argument("--config", type=Path, help="store config (.toml/.json); default: the embedded one")
-    where.add_argument(
-        "--dir", type=Path, help=f"directory of the default config's NVMe tier (./{default_dir})"
-    )
-    demo.add_argument(
-        "--total",
-        type=_positive_byte_size,
-        default=_byte_size("1GiB"),
-        help="bytes to spill, a multiple of --object (1GiB)",
-    )
-    demo.add_argument(
-        "--object",
-        type=_whole_words,
-        default=_byte_size("32MiB"),
-        help="bytes per object, a multiple of 4 (32MiB)",
-    )
-    demo.add_argument(
-        "--budget",
-        type=_byte_size,
-        help="DRAM cache budget (default: the config's, 256MiB embedded); 0 sends every object to a tier",
-    )
-    probe_command = commands.add_parser(
-        "probe",
-        help="measure each path's read and write bandwidth",
-        description="Write and read back a scratch object on every path of every tier; print GB/s, "
-        "the probe's object size and whether each figure was measured now or taken from the cache "
-        "(~/.cache/tierstore/bandwidth.json: a probe of the same --size at most a week old).",
-    )
-    probe_command.add_argument("config", type=Path, help="store config (.toml/.json)")
-    probe_command.add_argument(
-        "--size", type=_positive_byte_size, default=_byte_size("64MiB"), help="probe object size (64MiB)"
-    )
-    probe_command.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
-    bench = commands.add_parser(
-        "bench",
-        help="throughput of each path and of each multi-path tier",
-        description="Measure each path alone, then each tier with all its paths; print a JSON report.",
-    )
-    bench.add_argument("config", type=Path, help="store config (.toml/.json)")
-    bench.add_argument(
-        "--size", type=_positive_byte_size, default=_byte_size("64MiB"), help="object size (64MiB)"
-    )
-    bench.add_argument("--objects", type=_positive_int, default=8, help="objects per measurement (8)")
-    bench.add_argument("--output", type=Path, help="write the JSON report here too")
-    bench.add_argument("--plot", type=Path, help="PNG of GB/s per path over time (needs matplotlib)")
-    args = parser.parse_args(argv)
-    if args.command == "spill" and args.total % args.object:
-        demo.error(
-            f"argument --total: {args.total} bytes is not a multiple of --object ({args.object} bytes)"
-        )
-    if args.command == "bench":  # a report must never be lost to an output it cannot write
-        for option, path in (("--output", args.output), ("--plot", args.plot)):
-            problem = None if path is None else _unwritable(path)
-            if problem is not None:
-                bench.error(f"argument {option}: {problem}")
-        if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-            bench.error("argument --plot: needs matplotlib: pip install 'tierstore[plot]'")
-
-    try:
-        if args.command == "spill":
-            return _spill(args)
-        if args.command == "train":
-            return _train(args)
-        settings = load_config(args.config)
-        if args.command == "probe":
-            report = run_probe(settings, args.size, args.refresh)
-        else:
-            report = run_bench(settings, args.size, args.objects)
-    except TierStoreError as error:
-        print(f"tierstore {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # the context managers on the way out have cleaned up
-        print(f"tierstore {args.command}: interrupted", file=sys.stderr)
-        return 130
-    if args.command == "bench" and args.plot is not None:
-        try:
-            plot_timeline(
-                report["timeline_gb_per_s"], f"tierstore bench: {args.size >> 20} MiB objects", str(args.plot)
-            )
-            report["plot"] = str(args.plot)
-        except OSError as error:
-            report["plot_error"] = f"{args.plot}: {error.strerror or error}"
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if getattr(args, "output", None) is not None:
-        try:
-            args.output.write_text(text + "\n")
-        except OSError as error:
-            print(
-                f"tierstore bench: the report above was not written to {args.output}: "
-                f"{error.strerror or error}",
-                file=sys.stderr,
-            )
-            return 1
-    return 0
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why a file could not be written at ``path`` (checked before a long run), or None."""
-    parent = path.absolute().parent
-    if path.is_dir():
-        return f"{path} is a directory"
-    if not parent.is_dir():
-        return f"directory {parent} does not exist"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {parent} is not writable"
-    return None
-
-
-def _train(args: argparse.Namespace) -> int:
-    """``train`` with the parsed options: the report (one JSON document) on stdout; a run that
-    fails its check (:func:`training_failure`) says why on stderr and ends with status 1."""
-    defaults = default_config()
-    directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
-    defaults["tiers"][0]["backend"]["path"] = str(directory)
-    with _removed_if_created(directory):
-        report = run_training(
-            defaults,
-            layers=args.layers,
-            width=args.width,
-            length=args.length,
-            batch=args.batch,
-            steps=args.steps,
-            sub_group_size=args.sub_group_size,
-            budget=args.dram_budget,
-            activation_budget=args.activation_budget,
-            optimizer_name=args.optimizer,
-        )
-    print(json.dumps(report, indent=2))
-    failure = training_failure(report)
-    if failure is not None:
-        print(f"tierstore train: {failure}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def training_failure(report: dict[str, Any]) -> str | None:
-    """Why a finished ``train`` run failed its own check, or None: the loss must fall from the first
-    step to the last (a one-step run has no trend, and passes)."""
-    if report["loss_decreased"] is not False:
-        return None
-    steps = report["steps"]
-    return f"the loss did not decrease over {len(steps)} steps ({steps[0]['loss']} to {steps[-1]['loss']})"
-
-
-def _spill(args: argparse.Namespace) -> int:
-    """``spill``: the report (one JSON document) on stdout, its one-line summary on stderr."""
-    config = default_config() if args.config is None else load_config(args.config).model_dump()
-    if args.budget is not None:
-        config["cache"] = {**config.get("cache", {}), "budget": args.budget}
-    if args.config is None:
-        directory = Path(args.dir or config["tiers"][0]["backend"]["path"])
-        config["tiers"][0]["backend"]["path"] = str(directory)
-        with _removed_if_created(directory):
-            report = run_demo(config, args.total, args.object)
-    else:
-        report = run_demo(config, args.total, args.object)
-    print(json.dumps(report, indent=2))
-    print(_spill_summary(report), file=sys.stderr)
-    if not report["verified"]:
-        print(
-            f"tierstore spill: {len(report['mismatched_objects'])} objects read back differ from what "
-            f"was put: {report['mismatched_objects'][:10]}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def _spill_summary(report: dict[str, Any]) -> str:
-    """One line that says how many bytes moved to and from the tiers: with everything inside the
-    DRAM budget the reads are memory copies, not tier throughput."""
-    total, budget = report["total_bytes"], report["cache_budget_bytes"]
-    cache = f"{total / budget:.1f}x the DRAM budget" if budget else "no DRAM cache"
-    moved = (
-        f"{report['tier_bytes_written'] / 2**30:.2f} GiB written to the tiers, "
-        f"{report['tier_bytes_read'] / 2**30:.2f} GiB read back from them"
-    )
-    if not report["tier_bytes_read"]:
-        moved += " (every read was served from DRAM: lower --budget to read from a tier)"
-    return (
-        f"spilled {total / 2**30:.2f} GiB ({report['objects']} objects, {cache}); {moved}: "
-        f"put+flush {report['put_and_flush_gb_per_s']} GB/s, get+verify "
-        f"{report['get_and_verify_gb_per_s']} GB/s, verified={report['verified']}"
-    )
 
 
 if __name__ == "__main__":

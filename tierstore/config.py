@@ -1,6 +1,11 @@
-"""The store's configuration document: a dict, a JSON file or a TOML file, validated by pydantic.
+"""The store's options, each defined once, and its configuration document.
 
-Example (TOML)::
+Each option of a store is one field of the models below (type, default, constraints, and its
+meaning in the docstring under it). The document (a dict, a JSON file or a TOML file) validates
+through them with :func:`load_config`; :class:`~tierstore.TierStore`'s keyword arguments validate
+through the same fields (:meth:`StoreOptions.from_arguments`, the keywords named in
+:data:`STORE_ARGUMENTS`); the DeepSpeed section reuses them; the README's configuration
+reference is written from them (:mod:`tierstore.reference`). Example (TOML)::
 
     [cache]
     budget = "2GiB"           # DRAM cache byte budget (bytes or "512MiB", "2GB"...)
@@ -22,12 +27,10 @@ import tomllib
 from collections.abc import Mapping
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ByteSize,
-    ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
@@ -36,6 +39,7 @@ from pydantic import (
     model_validator,
 )
 
+from ._checks import ConfigModel, check_arguments, is_integer
 from .errors import ConfigError, config_error_from_validation
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
@@ -43,7 +47,7 @@ _BYTE_SIZE = TypeAdapter(ByteSize)
 
 def parse_byte_size(text: str | int) -> int:
     """Bytes from an integer or a string such as ``"64MiB"`` or ``"2GB"``."""
-    if isinstance(text, bool):  # an int to Python, and 1 byte to pydantic
+    if not (isinstance(text, str) or is_integer(text)):
         raise ConfigError(f"{text!r} is not a size such as 4096, 64MiB or 2GB")
     try:
         return int(_BYTE_SIZE.validate_python(text))
@@ -52,93 +56,90 @@ def parse_byte_size(text: str | int) -> int:
 
 
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$"
+"""Tier and path names: they appear in manifests, telemetry and error messages."""
 
-
-def refuse_bool_as_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
-    """A ``mode="before"`` field check for every config model, the backends' options included:
-    pydantic reads ``true`` as 1, so ``budget = true`` would be one byte and ``workers = true``
-    one thread. A bool passes only where the field's type takes a bool."""
-    field = model.model_fields.get(info.field_name or "")
-    if isinstance(value, bool) and field is not None and not _admits_bool(field.annotation):
-        raise ValueError(f"expected a number or a string, not the boolean {str(value).lower()}")
-    return value
-
-
-def _admits_bool(annotation: Any) -> bool:
-    """Whether a field's type takes a bool as itself (``bool``, ``bool | None``, ``Any``...)."""
-    return annotation is bool or annotation is Any or any(_admits_bool(arg) for arg in get_args(annotation))
-
-
-class ConfigModel(BaseModel):
-    """Base of the store's configuration models: unknown fields are errors, and so is a bool
-    given for a number."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_bool_as_number(cls, value, info)
+Policy = Literal["write-back", "write-through"]
+Verify = Literal["always", "sampled", "off"]
+PlacementPolicy = Literal["stripe", "place"]
+StripeBy = Literal["round-trip", "write", "read"]
 
 
 class CacheConfig(ConfigModel):
-    budget: ByteSize = Field(ByteSize(256 << 20))
-    """Bytes of DRAM the cache may hold (aligned buffers, pinned where CUDA exists)."""
-    policy: Literal["write-back", "write-through"] = "write-back"
-    """write-back: a put lands in DRAM and reaches a tier on eviction or flush.
-    write-through: a put resolves once its tier write is done (and stays cached)."""
+    """The store's DRAM cache (the ``[cache]`` table)."""
+
+    budget: ByteSize = ByteSize(256 << 20)
+    """Bytes of DRAM the cache may hold (page-aligned buffers, pinned where CUDA exists)."""
+    policy: Policy = "write-back"
+    """``write-back``: a put lands in DRAM and reaches a tier on eviction or flush;
+    ``write-through``: a put resolves once its tier write is done (and stays cached)."""
     cache_reads: bool = True
-    """Keep objects read from a tier in the cache (False: read straight into the destination)."""
-    pack_below: ByteSize = Field(ByteSize(64 << 10))
+    """Keep objects read from a tier in the cache (false: read straight into the destination)."""
+    pack_below: ByteSize = ByteSize(64 << 10)
     """Dirty objects smaller than this are written back (``flush``, ``close``) in packs, one
-    backend object per batch, instead of one object (file) each; 0 turns packing off."""
+    backend object per batch of up to 4 MiB, instead of one object (file) each; 0 turns packing
+    off."""
 
 
 class BandwidthConfig(ConfigModel):
     """A path's bandwidth in bytes per second (e.g. ``"1.5GB"``), when known in advance."""
 
     read: ByteSize
+    """Bytes per second read."""
     write: ByteSize
+    """Bytes per second written."""
 
 
 class NodeLimitConfig(ConfigModel):
     """Slots shared by every process on the node that names the same ``key`` (a shared PFS)."""
 
     key: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,100}$")
-    max_reads: int = Field(1, ge=1, le=1024)
-    max_writes: int = Field(1, ge=1, le=1024)
+    """The name every process on the node sharing these slots gives."""
+    max_reads: int = Field(1, ge=1, le=1024, strict=True)
+    """Read requests in flight on the node at once, all processes together."""
+    max_writes: int = Field(1, ge=1, le=1024, strict=True)
+    """Write requests in flight on the node at once, all processes together."""
     directory: Path | None = None
-    """Where the lock files live (default /dev/shm/tierstore-limits)."""
+    """Where the lock files live (default ``/dev/shm/tierstore-limits``)."""
 
 
 class PathConfig(ConfigModel):
+    """One path of a virtual tier (a ``[[tiers.paths]]`` table)."""
+
     name: str | None = Field(None, pattern=NAME_PATTERN)
+    """The path's name (default ``<tier>.<index>``)."""
     backend: str | dict[str, Any]
     """A backend URL (``nvme:///path``) or a table with ``type`` and the backend's options."""
-    max_reads: int = Field(4, ge=1, le=1024)
+    max_reads: int = Field(4, ge=1, le=1024, strict=True)
     """Read requests in flight on this path (each request is one object's extent)."""
-    max_writes: int = Field(4, ge=1, le=1024)
+    max_writes: int = Field(4, ge=1, le=1024, strict=True)
+    """Write requests in flight on this path."""
     bandwidth: BandwidthConfig | None = None
     """Known bandwidth; otherwise probed (``probe = true``) or learned from traffic."""
     node_limit: NodeLimitConfig | None = None
+    """Slots shared with the node's other processes (none: this process's limits only)."""
 
 
 class TierConfig(ConfigModel):
+    """One tier (a ``[[tiers]]`` table): one path (``backend``) or several (``paths``)."""
+
     name: str = Field(pattern=NAME_PATTERN)
+    """The tier's name, unique in the store."""
     backend: str | dict[str, Any] | None = None
-    """Shorthand for a tier of one path."""
+    """Shorthand for a tier of one path: its backend URL or table."""
     paths: list[PathConfig] | None = Field(None, min_length=1)
     """Several paths acting as one tier (MLP-Offload's virtual tier)."""
-    placement: Literal["stripe", "place"] = "stripe"
-    """stripe: split every object across the paths by bandwidth; place: whole objects per path."""
-    stripe_by: Literal["round-trip", "write", "read"] = "round-trip"
-    """Which bandwidth sets the shares: round-trip (objects written then read back), write, read."""
+    placement: PlacementPolicy = "stripe"
+    """``stripe``: split every object across the paths by bandwidth; ``place``: whole objects per
+    path, in bandwidth proportion."""
+    stripe_by: StripeBy = "round-trip"
+    """Which bandwidth sets the shares: ``round-trip`` (objects written then read back),
+    ``write`` or ``read``."""
     adapt: bool = True
     """Re-weight the paths from their observed throughput (EWMA)."""
     probe: bool = False
     """Measure unconfigured paths' bandwidth when the store opens (cached on disk)."""
     capacity: ByteSize | None = None
-    """Bytes this tier may hold; objects go to the first tier with room."""
+    """Bytes this tier may hold; objects go to the first tier with room (none: no limit)."""
 
     @model_validator(mode="after")
     def _one_way_to_give_paths(self) -> TierConfig:
@@ -154,20 +155,78 @@ class TierConfig(ConfigModel):
         return [PathConfig(backend=self.backend)]
 
 
-class StoreConfig(ConfigModel):
+class StoreOptions(ConfigModel):
+    """Every option of a store but its tiers: the one definition of :class:`~tierstore.TierStore`'s
+    keyword arguments (see :data:`STORE_ARGUMENTS`) and of the document's keys."""
+
     cache: CacheConfig = CacheConfig()
-    tiers: list[TierConfig] = Field(min_length=1)
-    workers: int = Field(4, ge=1, le=256)
+    """The DRAM cache."""
+    workers: int = Field(4, ge=1, strict=True)
     """Threads that run put/get/prefetch (device I/O has its own threads in each backend)."""
     manifest: Path | None = None
     """Directory of the store's manifest: the store is persistent (reopening finds its objects).
     Without it the store is scratch space, deleted at close."""
-    verify: Literal["always", "sampled", "off"] = "always"
-    """Check extent checksums on read: every read, one in 16, or never (then none are computed)."""
+    verify: Verify = "always"
+    """Check extent checksums on read: every read, one in 16 (``sampled``), or never (``off``:
+    then none are computed)."""
     memory_budget: ByteSize | None = None
-    """DRAM for everything on this store: its cache plus what workloads reserve (the optimizer's
-    staging, the activations held for backward); a workload that would go over fails at start.
-    None: reservations are counted, not bounded."""
+    """DRAM for everything on this store, at least its cache's budget: the cache plus what
+    workloads reserve (the optimizer's staging, the activations held for backward); a workload
+    that would go over fails at start. None: reservations are counted, not bounded."""
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _holds_the_cache(cls, budget: ByteSize | None, info: ValidationInfo) -> ByteSize | None:
+        cache = info.data.get("cache")
+        if budget is not None and cache is not None and budget < cache.budget:
+            raise ValueError(
+                f"must be a number of bytes >= the cache budget ({cache.budget}), not {int(budget)}"
+            )
+        return budget
+
+    @classmethod
+    def from_arguments(cls, **arguments: Any) -> StoreOptions:
+        """The options from :class:`~tierstore.TierStore`'s keyword arguments (named as in
+        :data:`STORE_ARGUMENTS`), checked; a :class:`ConfigError` names the argument."""
+        document: dict[str, Any] = {}
+        for argument, (*tables, key) in STORE_ARGUMENTS.items():
+            if argument in arguments:
+                table = document
+                for name in tables:
+                    table = table.setdefault(name, {})
+                table[key] = arguments[argument]
+        return check_arguments(cls, document, names={path: name for name, path in STORE_ARGUMENTS.items()})
+
+    def arguments(self) -> dict[str, Any]:
+        """The options as :class:`~tierstore.TierStore`'s keyword arguments."""
+        arguments: dict[str, Any] = {}
+        for argument, path in STORE_ARGUMENTS.items():
+            value: Any = self
+            for name in path:
+                value = getattr(value, name)
+            arguments[argument] = value
+        return arguments
+
+
+STORE_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "cache_budget": ("cache", "budget"),
+    "policy": ("cache", "policy"),
+    "cache_reads": ("cache", "cache_reads"),
+    "pack_below": ("cache", "pack_below"),
+    "workers": ("workers",),
+    "manifest": ("manifest",),
+    "verify": ("verify",),
+    "memory_budget": ("memory_budget",),
+}
+"""Each keyword argument of :class:`~tierstore.TierStore` and where its option sits in the
+document (the cache's options are a table of their own there)."""
+
+
+class StoreConfig(StoreOptions):
+    """A store's configuration document: its options and its tiers."""
+
+    tiers: list[TierConfig] = Field(min_length=1)
+    """The tiers, tried in order: an object leaving the cache goes to the first with room."""
 
     @field_validator("tiers")
     @classmethod

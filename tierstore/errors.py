@@ -47,6 +47,11 @@ class CapacityError(TierStoreError, MemoryError):
     """An object does not fit in a buffer pool, DRAM budget or tier capacity."""
 
 
+class BandwidthUnknownError(TierStoreError, LookupError):
+    """No bandwidth estimate exists yet for the paths a plan needs: none was configured or probed,
+    and too little traffic has been measured."""
+
+
 class BackendIOError(TierStoreError, OSError):
     """A backend failed to read or write its medium."""
 

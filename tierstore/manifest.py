@@ -41,6 +41,7 @@ from typing_extensions import TypedDict  # pydantic's requirement on Python 3.11
 from .errors import BackendIOError, ManifestError, StoreLockedError, validation_problems
 
 FORMAT = 1
+"""The snapshot's format version; a snapshot of any other is refused, never half understood."""
 COMPACT_AFTER = 10_000
 """Journal lines after which the manifest compacts itself, so a long-running store's journal (and
 the replay at the next open) stays bounded."""
@@ -49,7 +50,20 @@ _log = logging.getLogger("tierstore")
 
 class Manifest:
     """The on-disk catalogue: ``entries`` (key -> JSON entry) plus the backend-name prefixes
-    (``tokens``) this store has ever written under, so garbage from torn puts can be found."""
+    (``tokens``) this store has ever written under, so garbage from torn puts can be found.
+
+    Opening replays the snapshot and the journal, cuts off a torn last line, and journals a new
+    session token (:attr:`token`) that names this session's backend objects.
+
+    Args:
+        directory: the manifest's directory; created owner-only if missing.
+
+    Raises:
+        StoreLockedError: another process or store has the manifest open.
+        ManifestError: the snapshot or a journal line is not what a store wrote (named), or the
+            snapshot is of another format than :data:`FORMAT`.
+        BackendIOError: the directory cannot be created (a file stands in its way) or written.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
@@ -84,19 +98,38 @@ class Manifest:
     # -- changes --------------------------------------------------------------------------------
     def commit_many(self, entries: Mapping[str, Mapping[str, Any]]) -> None:
         """Durably make each entry the current version of its key, with one sync for all (a pack
-        of small objects): a crash may keep any prefix of them, each one whole."""
+        of small objects): a crash may keep any prefix of them, each one whole.
+
+        Args:
+            entries: key -> its entry (JSON-ready: :func:`tierstore.catalog._manifest_entry`).
+
+        Raises:
+            BackendIOError: the journal cannot be appended to (a full disk); none of the entries
+                is committed, and the journal is as it was.
+        """
         with self._mutex:
             self._write([{"op": "put", "key": key, "entry": dict(entry)} for key, entry in entries.items()])
             self.entries.update((key, dict(entry)) for key, entry in entries.items())
             self._compact_if_due()
 
     def remove(self, key: str) -> None:
+        """Durably forget ``key``'s entry (journaled even where it has none).
+
+        Raises:
+            BackendIOError: the journal cannot be appended to; the entry stays.
+        """
         with self._mutex:
             self._append({"op": "delete", "key": key})
             self.entries.pop(key, None)
 
     def compact(self, live_tokens: set[str]) -> None:
-        """Fold the journal into a new snapshot; forget tokens no live object uses."""
+        """Fold the journal into a new snapshot (where the snapshot cannot be written, the
+        journal stays as it is and a warning says so).
+
+        Args:
+            live_tokens: the tokens still used by an object; the others are forgotten, so the
+                next open no longer collects garbage under them.
+        """
         with self._mutex:
             self._compact(live_tokens)
 
@@ -130,6 +163,7 @@ class Manifest:
         self._lines = 0
 
     def close(self) -> None:
+        """Close the journal and release the lock; idempotent."""
         if self._journal < 0:
             return
         os.close(self._journal)

@@ -34,13 +34,15 @@ class MemoryLedger:
         self._held: set[Reservation] = set()
         self._lock = threading.Lock()
 
-    def reserve(self, owner: str, nbytes: int) -> Reservation:
+    def reserve(self, owner: str, nbytes: int, *, replacing: Reservation | None = None) -> Reservation:
         """Hold ``nbytes`` for ``owner`` until :meth:`release`; :class:`CapacityError` if they do
-        not fit beside what the others hold."""
+        not fit beside what the others hold. ``replacing``: a reservation given back in the same
+        step (a workload changing its budget needs room for the difference only); it is kept if
+        the new one does not fit."""
         if nbytes < 0:
             raise CapacityError(f"{owner}: cannot reserve {nbytes} bytes")
         with self._lock:
-            held = sum(r.nbytes for r in self._held)
+            held = sum(r.nbytes for r in self._held if r is not replacing)
             if self.capacity is not None and held + nbytes > self.capacity:
                 holders = ", ".join(f"{owner} {n}" for owner, n in sorted(self._totals().items())) or "nobody"
                 raise CapacityError(
@@ -48,6 +50,8 @@ class MemoryLedger:
                     f"{self.capacity} bytes beside what is reserved already ({holders})"
                 )
             reservation = Reservation(owner, nbytes)
+            if replacing is not None:
+                self._held.discard(replacing)
             self._held.add(reservation)
             return reservation
 

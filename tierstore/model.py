@@ -14,10 +14,15 @@ last K objects that fit), since it takes those and then any smaller ones further
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from .errors import BandwidthUnknownError, ConfigError
+from .spill_policy import ReadAhead, Residence, Room, SpillPolicy
+
+if TYPE_CHECKING:
+    from .store import TierStore
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,23 @@ def transfer_seconds(
     return max(
         (read_bytes / p.read + write_bytes / p.write) * w / total for p, w in zip(paths, weights, strict=True)
     )
+
+
+def placement_speeds(store: TierStore) -> list[PathSpeed]:
+    """The speeds a workload plans its I/O with: those of the store's first tier, where its objects
+    are placed, from :meth:`TierStore.bandwidths` (measured online, else as configured or probed;
+    a path without an estimate yet is left out).
+
+    Raises :class:`BandwidthUnknownError` while no path of the tier has an estimate, rather than
+    plan with made-up speeds: a plan that depends on them waits for the store to measure some
+    traffic (or configure the paths' ``bandwidth``, or set ``probe = true``, to plan at once)."""
+    tier, speeds = next(iter(store.bandwidths().items()), ("", []))
+    if not speeds:
+        raise BandwidthUnknownError(
+            f"tier {tier!r}: no path has a bandwidth estimate yet (none configured or probed, and too "
+            "little traffic measured)"
+        )
+    return speeds
 
 
 @dataclass(frozen=True)
@@ -86,17 +108,9 @@ def plan_pass(
     room = max(0, budget - working)
     total = sum(sizes)
 
-    keep: list[int] = []
-    kept = 0
-    for index in reversed(order):
-        if kept + sizes[index] <= room:
-            keep.append(index)
-            kept += sizes[index]
-    static_kept = 0
-    for index in reversed(order):
-        if static_kept + sizes[index] > room:
-            break
-        static_kept += sizes[index]
+    keep = keep_from_end(sizes, room, order)
+    kept = sum(sizes[index] for index in keep)
+    static_kept = sum(sizes[index] for index in last_that_fit(sizes, room, order))
 
     def seconds(cached: int) -> float:
         io = transfer_seconds(paths, weights, total - cached, total - cached)
@@ -104,7 +118,7 @@ def plan_pass(
 
     plan = PassPlan(
         weights=weights,
-        keep=sorted(keep),
+        keep=keep,
         read_bytes=total - kept,
         write_bytes=total - kept,
         predicted_seconds=seconds(kept),
@@ -130,11 +144,40 @@ def plan_pass(
     return plan
 
 
+def keep_from_end(sizes: Sequence[int], room: int, order: Sequence[int]) -> list[int]:
+    """The model's choice of objects to keep in DRAM at the end of a pass that visits ``sizes``
+    (bytes) in ``order``, with ``room`` bytes to keep them in: walking back from the end, every
+    object that still fits beside those taken (sorted indices). Each kept byte saves a write now
+    and a read next pass on every path alike, so the paths' speeds change the pass's time, not
+    the choice."""
+    keep: list[int] = []
+    kept = 0
+    for index in reversed(order):
+        if kept + sizes[index] <= room:
+            keep.append(index)
+            kept += sizes[index]
+    return sorted(keep)
+
+
+def last_that_fit(sizes: Sequence[int], room: int, order: Sequence[int]) -> list[int]:
+    """MLP-Offload's static choice, as :func:`keep_from_end` takes its arguments: the objects from
+    the end of the pass back to the first that does not fit (sorted indices)."""
+    keep: list[int] = []
+    kept = 0
+    for index in reversed(order):
+        if kept + sizes[index] > room:
+            break
+        keep.append(index)
+        kept += sizes[index]
+    return sorted(keep)
+
+
 # -- activation spill ------------------------------------------------------------------------------
 # The same paths and striping, applied to the other big consumer of training memory: tensors saved
 # in forward for backward. A spilled tensor is written while forward goes on and read back before
-# backward needs it; the simulation below replays one profiled step under exactly the policy that
-# tierstore.activations executes, so its predicted time is what the plan is judged by.
+# backward needs it. The replay below executes the SpillPolicy that tierstore.activations executes
+# at run time on a simulated timeline of one profiled step, so its predicted time, by which a plan
+# is judged, follows the runtime's decisions by construction.
 
 
 @dataclass(frozen=True)
@@ -168,6 +211,10 @@ class SpillPlan:
     def explain(self) -> str:
         return "\n".join(self.explanation)
 
+    def policy(self) -> SpillPolicy:
+        """The policy a step following this plan runs under."""
+        return SpillPolicy(self.spill, tuple(self.use_order))
+
 
 @dataclass(frozen=True)
 class _Replay:
@@ -175,6 +222,8 @@ class _Replay:
     write_stall: float
     read_stall: float
     peak_resident: int
+    overflow_bytes: int
+    """Bytes that found no room in the budget and went to ordinary memory."""
 
 
 def replay_spill(
@@ -186,87 +235,171 @@ def replay_spill(
 ) -> _Replay:
     """Replay one step: what it costs to spill ``spill`` and keep the rest, within ``budget``.
 
-    The policy replayed (and executed by ``tierstore.activations``): a spilled tensor is resident
-    from its save until its write ends; writes and reads share the paths in issue order; forward
-    waits at a save only while the new tensor would exceed ``budget`` and writes are in flight. At
-    the end of forward, and after each use, reads start in use order for as many spilled tensors
-    as ``budget`` holds (one whose write is still in flight stays resident instead: no read); a use
-    waits for its read. A kept tensor is resident from its save to its use.
+    The step runs under the :class:`~tierstore.spill_policy.SpillPolicy` of a plan that spills
+    ``spill`` and reads back in the profiled use order, as ``tierstore.activations`` runs it.
+    Memory is counted as the runtime's pool counts it: a saved tensor is resident from its save
+    (a kept one until its use, a spilled one until its write ends unless read-ahead hands it back),
+    and a spilled tensor again from the start of its read until its use. Writes and reads share
+    the paths in issue order. Bytes that find no room go to ordinary memory (``overflow_bytes``).
     """
-    weights = stripe_weights(paths)
-    channel = 0.0  # when the shared I/O paths are next free
-    stall_w = stall_r = 0.0
-    writing: dict[int, float] = {}  # spilled tensor -> end of its write, while resident for it
-    ready: dict[int, float] = {}  # spilled tensor -> when its data is back (or kept resident)
-    resident = peak = 0
+    policy = SpillPolicy(frozenset(spill), tuple(_use_order(spill, tensors)))
+    return _StepReplay(paths, budget, tensors, policy).run(compute_seconds)
 
-    def occupy(nbytes: int) -> None:
-        nonlocal resident, peak
-        resident += nbytes
-        peak = max(peak, resident)
 
-    def settle(now: float) -> None:
-        nonlocal resident
-        for i, end in list(writing.items()):
-            if end <= now:
-                del writing[i]
-                resident -= tensors[i].nbytes
+def _use_order(spill: Collection[int], tensors: Sequence[SavedTensor]) -> list[int]:
+    """The spilled tensors in the order backward used them when profiled."""
+    return sorted(spill, key=lambda i: tensors[i].used_at)
 
-    def wait_for_a_write(now: float) -> float:
-        end = min(writing.values())
-        settle(max(now, end))
-        return max(now, end)
 
-    for i in sorted(range(len(tensors)), key=lambda i: tensors[i].saved_at):
-        tensor = tensors[i]
-        now = tensor.saved_at + stall_w
-        settle(now)
-        while resident + tensor.nbytes > budget and writing:
-            later = wait_for_a_write(now)
-            stall_w += later - now
-            now = later
-        occupy(tensor.nbytes)
-        if i in spill:
-            channel = max(now, channel) + transfer_seconds(paths, weights, 0, tensor.nbytes)
-            writing[i] = channel
-    forward_end = max((t.saved_at for t in tensors), default=0.0) + stall_w
+class _StepReplay:
+    """One step on a simulated timeline: the :class:`~tierstore.spill_policy.SpilledTensors` that
+    ``policy`` decides for, with memory counted against ``budget`` and I/O timed on ``paths``."""
 
-    uses = sorted(range(len(tensors)), key=lambda i: tensors[i].used_at)
-    pending = [i for i in uses if i in spill]
-    cursor = 0
+    def __init__(
+        self, paths: Sequence[PathSpeed], budget: int, tensors: Sequence[SavedTensor], policy: SpillPolicy
+    ) -> None:
+        self.paths, self.weights, self.budget = paths, stripe_weights(paths), budget
+        self.tensors, self.policy = tensors, policy
+        self.now = 0.0
+        self.channel = 0.0
+        """When the shared I/O paths are next free."""
+        self.write_stall = self.read_stall = 0.0
+        self.resident = self.peak = self.overflow = 0
+        self.in_pool: set[int] = set()
+        """Tensors whose bytes hold memory of the budget."""
+        self.spilled: set[int] = set()
+        self.writes: dict[int, float] = {}
+        """Spilled tensor -> end of its write in flight (its capture is in memory until then)."""
+        self.reads: dict[int, float] = {}
+        """Spilled tensor -> end of its read in flight."""
+        self.held: set[int] = set()
+        """Spilled tensors in memory and in the store before their use."""
+        self.handed_back: set[int] = set()
+        self.used: set[int] = set()
+        self.read_ahead: ReadAhead[int] = ReadAhead()
 
-    def issue(now: float, force: bool = False) -> None:
-        nonlocal cursor, channel
-        settle(now)
-        while cursor < len(pending):
-            j = pending[cursor]
-            if j in writing:  # still resident: handed back without a read
-                del writing[j]
-                ready[j] = now
-            elif resident + tensors[j].nbytes <= budget or force:
-                channel = max(now, channel) + transfer_seconds(paths, weights, tensors[j].nbytes, 0)
-                ready[j] = channel
-                occupy(tensors[j].nbytes)
-                force = False
-            else:
-                return
-            cursor += 1
+    def run(self, compute_seconds: float) -> _Replay:
+        """Forward's saves in save order, then backward's uses in use order; the step takes
+        ``compute_seconds`` plus the time it waited for room, writes and reads."""
+        tensors = self.tensors
+        for i in sorted(range(len(tensors)), key=lambda i: tensors[i].saved_at):
+            self._save(i, tensors[i].saved_at + self.write_stall)
+        self._advance(max((t.saved_at for t in tensors), default=0.0) + self.write_stall)
+        self.read_ahead = ReadAhead(self.policy.read_order(sorted(self.spilled)))
+        self.read_ahead.advance(self)
+        for i in sorted(range(len(tensors)), key=lambda i: tensors[i].used_at):
+            self._use(i, tensors[i].used_at + self.write_stall + self.read_stall)
+        stalls = self.write_stall + self.read_stall
+        return _Replay(compute_seconds + stalls, self.write_stall, self.read_stall, self.peak, self.overflow)
 
-    issue(forward_end)
-    for i in uses:
-        now = tensors[i].used_at + stall_w + stall_r
-        issue(now)
-        if i in spill:
-            start = now
-            while i not in ready:  # the budget holds its read back until writes end
-                if writing:
-                    now = wait_for_a_write(now)
-                issue(now, force=not writing)
-            now = max(now, ready[i])
-            stall_r += now - start
-        resident -= tensors[i].nbytes
-        issue(now)
-    return _Replay(compute_seconds + stall_w + stall_r, stall_w, stall_r, peak)
+    # -- what the policy asks -------------------------------------------------------------------
+    def residence(self, index: int) -> Residence:
+        if index not in self.spilled or index in self.used or index in self.reads:
+            return Residence.DONE
+        if index in self.writes:
+            return Residence.WRITING
+        return Residence.AHEAD if index in self.held else Residence.STORED
+
+    def hand_back(self, index: int) -> None:
+        self.handed_back.add(index)
+
+    def try_read_ahead(self, index: int) -> bool:
+        if not self._fits(index):
+            return False
+        self._read(index)
+        return True
+
+    def drop(self, index: int) -> None:
+        self.held.discard(index)
+        self._release(index)
+
+    # -- the step -------------------------------------------------------------------------------
+    def _save(self, index: int, now: float) -> None:
+        """Forward saves the tensor: room for its capture, then its write if it is spilled."""
+        self._advance(now)
+        start = self.now
+        while not self._fits(index) and self.policy.room_to_save(writing=bool(self.writes)) is Room.WAIT:
+            self._advance(min(self.writes.values()))
+        self.write_stall += self.now - start
+        if not self._fits(index):  # it stays where autograd keeps it
+            self.overflow += self.tensors[index].nbytes
+            return
+        self._occupy(index)
+        if self.policy.spills(index):
+            self.spilled.add(index)
+            self.writes[index] = self._transfer(write_bytes=self.tensors[index].nbytes)
+
+    def _use(self, index: int, now: float) -> None:
+        """Backward uses the tensor: its bytes back (waiting for them), then freed."""
+        self._advance(now)
+        if index in self.spilled:
+            start = self.now
+            self._bring_back(index)
+            self.read_stall += self.now - start
+        self.used.add(index)
+        self.held.discard(index)
+        if index not in self.writes:  # a capture being written is let go of when its write ends
+            self._release(index)
+        self.read_ahead.advance(self)
+
+    def _bring_back(self, index: int) -> None:
+        """Advance to the moment the spilled tensor's bytes are in memory: forwarded (its capture
+        is still there), read ahead, or read now, after making room for them."""
+        if self.residence(index) is Residence.STORED:
+            while not self._fits(index):
+                room = self.policy.room_to_read(
+                    self, self.read_ahead, index, writing=bool(self.writes), reading=bool(self.reads)
+                )
+                if room is Room.NONE:
+                    break
+                if room is Room.WAIT:
+                    self._advance(min([*self.writes.values(), *self.reads.values()]))
+            self._read(index)
+        if index in self.reads:
+            self._advance(self.reads[index])
+
+    def _read(self, index: int) -> None:
+        """Start reading the tensor back: into the budget if it fits, else into ordinary memory."""
+        if self._fits(index):
+            self._occupy(index)
+        else:
+            self.overflow += self.tensors[index].nbytes
+        self.reads[index] = self._transfer(read_bytes=self.tensors[index].nbytes)
+
+    def _advance(self, now: float) -> None:
+        """Move the clock to ``now``: writes and reads that ended by then are done."""
+        self.now = max(self.now, now)
+        for index, end in list(self.writes.items()):
+            if end <= self.now:
+                del self.writes[index]
+                handed_back = index in self.handed_back
+                if self.policy.keeps_after_write(handed_back=handed_back, used=index in self.used):
+                    self.held.add(index)
+                else:
+                    self._release(index)
+        for index, end in list(self.reads.items()):
+            if end <= self.now:
+                del self.reads[index]
+                self.held.add(index)
+
+    def _transfer(self, *, read_bytes: int = 0, write_bytes: int = 0) -> float:
+        """Queue I/O on the shared paths; when it ends."""
+        start = max(self.now, self.channel)
+        self.channel = start + transfer_seconds(self.paths, self.weights, read_bytes, write_bytes)
+        return self.channel
+
+    def _fits(self, index: int) -> bool:
+        return self.resident + self.tensors[index].nbytes <= self.budget
+
+    def _occupy(self, index: int) -> None:
+        self.in_pool.add(index)
+        self.resident += self.tensors[index].nbytes
+        self.peak = max(self.peak, self.resident)
+
+    def _release(self, index: int) -> None:
+        if index in self.in_pool:
+            self.in_pool.discard(index)
+            self.resident -= self.tensors[index].nbytes
 
 
 def plan_spill(
@@ -279,7 +412,8 @@ def plan_spill(
 
     Start from spilling everything, then keep tensors in order of their shortest lifetime (saved
     late, used early: the last layers, whose write and read can hardly hide behind compute) as long
-    as each one lowers the replayed step time and the resident peak stays within ``budget``.
+    as each one lowers the replayed step time and sends no bytes to ordinary memory (none that
+    the budget could not hold).
     """
     if not tensors:  # nothing to spill is a plan too, and needs no bandwidth to make
         return SpillPlan([], frozenset(), [], compute_seconds, compute_seconds, 0.0, 0.0, 0, compute_seconds)
@@ -288,16 +422,15 @@ def plan_spill(
     best = spill_all
     for i in sorted(spill, key=lambda i: tensors[i].used_at - tensors[i].saved_at):
         trial = replay_spill(paths, budget, tensors, spill - {i}, compute_seconds)
-        if trial.peak_resident <= budget and trial.seconds <= best.seconds:
+        if trial.overflow_bytes == 0 and trial.seconds <= best.seconds:
             spill.discard(i)
             best = trial
     keep = sorted(set(range(len(tensors))) - spill)
-    use_order = sorted(spill, key=lambda i: tensors[i].used_at)
     spilled_bytes = sum(tensors[i].nbytes for i in spill)
     plan = SpillPlan(
         keep=keep,
         spill=frozenset(spill),
-        use_order=use_order,
+        use_order=_use_order(spill, tensors),
         compute_seconds=compute_seconds,
         predicted_seconds=best.seconds,
         write_stall_seconds=best.write_stall,

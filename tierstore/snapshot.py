@@ -32,6 +32,7 @@ from .errors import BufferMismatchError, InvalidKeyError
 from .store import TierStore
 
 FORMAT = 1
+"""The snapshot format's version; a file of any other is refused, never half understood."""
 
 
 def write_snapshot(
@@ -65,7 +66,13 @@ def write_snapshot(
 
 
 class Snapshot:
-    """An open snapshot: its ``metadata`` and its named tensors, read one at a time."""
+    """An open snapshot: its ``metadata`` and its named tensors, read one at a time. Made by
+    :func:`open_snapshot`, which checks the header first.
+
+    Args:
+        path: the file's path, which error messages name.
+        source: the file, open for reading; it must stay open while the snapshot is used.
+    """
 
     def __init__(self, path: str | os.PathLike[str], source: h5py.File) -> None:
         self.path = path
@@ -77,6 +84,12 @@ class Snapshot:
         return [str(self._objects[name].attrs["key"]) for name in sorted(self._objects)]
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each object's key and tensor, read as the iteration reaches it.
+
+        Raises:
+            BufferMismatchError: an object's dtype is not a torch dtype, or its bytes do not fit
+                its dtype and shape.
+        """
         for name in sorted(self._objects):
             dataset = self._objects[name]
             dtype = dtype_from_name(str(dataset.attrs["dtype"]), f"{self.path}: object {name}")
@@ -92,7 +105,12 @@ class Snapshot:
 
 @contextmanager
 def open_snapshot(path: str | os.PathLike[str]) -> Iterator[Snapshot]:
-    """Open a snapshot written by :func:`write_snapshot`, checking its header."""
+    """Open a snapshot written by :func:`write_snapshot`, checking its header.
+
+    Raises:
+        BufferMismatchError: the file is not readable HDF5, not a snapshot of :data:`FORMAT`,
+            or holds another number of objects than its header says.
+    """
     try:
         source = h5py.File(path, "r")
     except OSError as error:

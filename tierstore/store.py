@@ -30,25 +30,23 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import numbers
 import os
 import secrets
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Literal, Self, TypeGuard
+from typing import Any
 
 import torch
 
+from ._closeable import Closeable
 from ._futures import when_all
 from ._serial import KeyedSerializer
 from .backends import Backend
 from .cache import WriteBackCache
 from .catalog import Catalog, Record
 from .chain import TierChain
-from .config import ConfigSource, default_config, load_config
+from .config import ConfigSource, Policy, StoreOptions, Verify, default_config, load_config
 from .errors import (
     BufferMismatchError,
     CapacityError,
@@ -63,11 +61,10 @@ from .manifest import Manifest
 from .memory import MemoryLedger
 from .model import PathSpeed
 from .namespaces import Namespaces, check_key
+from .staging import StagingArea
 from .tier import Tier
 
 _log = logging.getLogger("tierstore")
-Policy = Literal["write-back", "write-through"]
-Verify = Literal["always", "sampled", "off"]
 
 
 @dataclass(frozen=True)
@@ -90,15 +87,17 @@ class ObjectInfo:
     """The cached copy is newer than any persistent copy."""
 
 
-class TierStore:
+class TierStore(Closeable):
     """A tiered tensor store (see the module docstring for the contract).
 
     ``tiers`` are tried in order for each object leaving the cache: it goes to the first with room.
     The store takes ownership of the tiers' backends and closes them in :meth:`close`.
 
-    A facade: the write-back cache (:mod:`.cache`), the tier chain (:mod:`.chain`: placement,
-    failover, verified reads, garbage) and the commit protocol (:mod:`.catalog`) each own one job;
-    the store checks arguments, orders operations per key and routes each one.
+    A facade: the tier chain (:mod:`.chain`: placement, failover, verified reads, garbage), the
+    commit protocol (:mod:`.catalog`) and, when ``cache_budget`` is above 0, the write-back cache
+    layered over them (:mod:`.cache`) each own one job; the store checks arguments, orders
+    operations per key and routes each one. A put or get that bypasses the cache goes straight to
+    the chain and the catalog.
     """
 
     def __init__(
@@ -114,15 +113,25 @@ class TierStore:
         memory_budget: int | None = None,
         pack_below: int = 64 << 10,
     ) -> None:
-        _check_arguments(tiers, cache_budget, policy, workers, verify)
-        if memory_budget is not None and (not _is_integer(memory_budget) or memory_budget < cache_budget):
-            raise ConfigError(
-                f"memory_budget: must be a number of bytes >= the cache budget ({cache_budget}), "
-                f"not {memory_budget!r}"
-            )
+        _check_tiers(tiers)
+        options = StoreOptions.from_arguments(
+            cache_budget=cache_budget,
+            policy=policy,
+            cache_reads=cache_reads,
+            workers=workers,
+            manifest=manifest,
+            verify=verify,
+            memory_budget=memory_budget,
+            pack_below=pack_below,
+        ).arguments()  # as checked: a numpy integer becomes an int
+        cache_budget, workers, memory_budget = (
+            options["cache_budget"],
+            options["workers"],
+            options["memory_budget"],
+        )
+        pack_below = options["pack_below"]
         self.memory = MemoryLedger(memory_budget)
         """The DRAM ledger the store's workloads reserve their budgets from (see :mod:`.memory`)."""
-        self.memory.reserve("cache", cache_budget)
         self.namespaces = Namespaces()
         """The key prefixes the store's workloads have claimed (see :mod:`.namespaces`)."""
         self.tiers = [
@@ -140,20 +149,24 @@ class TierStore:
             self._chain = TierChain(self.tiers, token=token, verify=verify)
             if opened is None:  # a crash must not leave a scratch store's objects behind
                 self._chain.claim_scratch()
-            self._lock = threading.Condition()  # the catalogue and the cache change together
-            self._catalog = Catalog(self._chain, self._lock, opened)
+            self._catalog = Catalog(self._chain, opened)
         except BaseException:
             if opened is not None:
                 opened.close()
             raise
-        self._cache = WriteBackCache(
-            cache_budget,
-            self._lock,
-            write=self._chain.write,
-            write_pack=self._chain.write_pack,
-            on_written=self._catalog.written,
-            pack_below=pack_below,
-        )
+        self.pack_below = pack_below
+        """Dirty objects smaller than this are written back in packs (one backend object each)."""
+        self._cache: WriteBackCache | None = None
+        if cache_budget == 0:
+            self.memory.reserve("cache", 0)  # the ledger still lists the cache's share: none
+        else:
+            self._cache = WriteBackCache(
+                StagingArea(self.memory, "cache", cache_budget),
+                write=self._chain.write,
+                write_pack=self._chain.write_pack,
+                on_written=self._catalog.written,
+                pack_below=pack_below,
+            )
         self._serial = KeyedSerializer(workers, "tierstore")
 
     @classmethod
@@ -169,26 +182,27 @@ class TierStore:
                 opened.close()
             raise
         try:
-            return cls(
-                tiers,
-                cache_budget=settings.cache.budget,
-                policy=settings.cache.policy,
-                cache_reads=settings.cache.cache_reads,
-                workers=settings.workers,
-                manifest=settings.manifest,
-                verify=settings.verify,
-                memory_budget=settings.memory_budget,
-                pack_below=settings.cache.pack_below,
-            )
+            return cls(tiers, **settings.arguments())
         except BaseException:
             for opened in tiers:
                 opened.close()
             raise
 
-    @property
-    def pack_below(self) -> int:
-        """Dirty objects smaller than this are written back in packs (one backend object each)."""
-        return self._cache.pack_below
+    def staging(
+        self,
+        owner: str,
+        budget: int,
+        *,
+        pin: bool | None = None,
+        resident: bool = False,
+        pool_bytes: int | None = None,
+    ) -> StagingArea:
+        """DRAM for a workload to stage tensors through, its ``budget`` reserved from
+        :attr:`memory` until the area is closed (see :class:`~tierstore.staging.StagingArea`,
+        which says what ``owner``, ``pin``, ``resident`` and ``pool_bytes`` mean). Raises
+        :class:`CapacityError` if the budget does not fit beside the other workloads'."""
+        self._check_open()
+        return StagingArea(self.memory, owner, budget, pin=pin, resident=resident, pool_bytes=pool_bytes)
 
     # -- public API: asynchronous ----------------------------------------------------------------
     def put(
@@ -257,7 +271,8 @@ class TierStore:
         Covers puts whose futures have resolved; wait for pending puts first to include them.
         """
         self._check_open()
-        self._cache.flush()
+        if self._cache is not None:
+            self._cache.flush()
 
     def copy_to(self, destination: TierStore, keys: Iterable[str] | None = None) -> None:
         """Put ``keys`` (default: every committed key) into ``destination`` under the same keys,
@@ -287,10 +302,9 @@ class TierStore:
             self._serial.submit(key, self._copy_to, key, destination).result()
 
     def _copy_to(self, key: str, destination: TierStore) -> None:
-        with self._lock:
-            record = self._catalog.record(key)
-            entry = self._cache.lookup(key)
-        persisted = record.persisted if entry is None or not entry.dirty else None
+        dirty = self._cache is not None and self._cache.state(key)[1]
+        record = self._catalog.record(key)  # a copy clean above has its placement set already
+        persisted = None if dirty else record.persisted
         placement = None if persisted is None else destination._chain.copy_in(persisted)
         if placement is None:
             destination.put(key, self._get(key, None, False), cache=False).result()
@@ -299,7 +313,9 @@ class TierStore:
         destination._serial.submit(key, destination._commit_copy, key, copy).result()
 
     def _commit_copy(self, key: str, record: Record) -> None:
-        self._catalog.commit(key, record, lambda: self._cache.drop(key))
+        self._catalog.commit(key, record)
+        if self._cache is not None:
+            self._cache.drop(key)
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is committed (its put's future has resolved)."""
@@ -312,33 +328,33 @@ class TierStore:
         return self._catalog.keys()
 
     def info(self, key: str) -> ObjectInfo:
+        """What the store knows about ``key`` now (raises :class:`KeyNotFoundError` if it has no
+        committed object)."""
         self._check_open()
-        with self._lock:
-            record = self._catalog.record(key)
-            entry = self._cache.lookup(key)
-            persisted = record.persisted
-            return ObjectInfo(
-                key=key,
-                shape=record.shape,
-                dtype=record.dtype,
-                nbytes=record.nbytes,
-                tier=persisted.tier.name if persisted else None,
-                name=persisted.name if persisted else None,
-                extents=persisted.describe() if persisted else [],
-                cached=entry is not None,
-                dirty=entry is not None and entry.dirty,
-            )
+        cached, dirty = (False, False) if self._cache is None else self._cache.state(key)
+        record = self._catalog.record(key)
+        persisted = record.persisted
+        return ObjectInfo(
+            key=key,
+            shape=record.shape,
+            dtype=record.dtype,
+            nbytes=record.nbytes,
+            tier=persisted.tier.name if persisted else None,
+            name=persisted.name if persisted else None,
+            extents=persisted.describe() if persisted else [],
+            cached=cached,
+            dirty=dirty,
+        )
 
     def stats(self) -> dict[str, Any]:
         """Counters: cache hits/misses/evictions/write-backs, cache bytes, per-tier bytes moved.
 
         Still readable after :meth:`close`, for a final report."""
-        with self._lock:
-            return {
-                **self._cache.stats(),
-                "memory": {"budget_bytes": self.memory.capacity, "reserved_bytes": self.memory.held()},
-                "tiers": self._chain.stats(),
-            }
+        return {
+            **(_NO_CACHE_STATS if self._cache is None else self._cache.stats()),
+            "memory": {"budget_bytes": self.memory.capacity, "reserved_bytes": self.memory.held()},
+            "tiers": self._chain.stats(),
+        }
 
     def bandwidths(self) -> dict[str, list[PathSpeed]]:
         """Each tier's paths with their current bandwidth estimates (measured online, else as
@@ -362,17 +378,10 @@ class TierStore:
             self.flush()
         self._closed = True
         self._serial.shutdown()
-        self._cache.close()
+        if self._cache is not None:
+            self._cache.close()
         self._catalog.close()
         self._chain.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
         self.put(key, tensor).result()
@@ -394,61 +403,73 @@ class TierStore:
         return len(self._catalog)
 
     # -- operations (run on the serializer, one key at a time) -----------------------------------
-    def _put(self, key: str, tensor: torch.Tensor, cache: bool, scratch: bool) -> None:
+    def _put(self, key: str, tensor: torch.Tensor, cached: bool, scratch: bool) -> None:
         record = Record(
             tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), scratch=scratch
         )
-        if not cache or not self._cache.fits(record.nbytes):  # straight to a tier
+        cache = self._cache if cached else None
+        if cache is None or not cache.fits(record.nbytes):  # straight to a tier
             source = _materialized(tensor)
             record.persisted = self._chain.write(_bytes_of(source), Priority.CRITICAL).result()
-            self._catalog.commit(key, record, lambda: self._cache.drop(key))
+            self._catalog.commit(key, record)
+            if self._cache is not None:  # a copy of the version just replaced
+                self._cache.drop(key)
             return
-        entry = self._cache.new_entry(key, record.nbytes, dirty=True)
+        entry = cache.new_entry(key, record, dirty=True)
         try:
-            entry.typed(record.dtype, record.shape).copy_(tensor)
+            entry.typed().copy_(tensor)
             if self.policy == "write-through":
                 record.persisted = self._chain.write(entry.memoryview(), Priority.CRITICAL).result()
                 entry.dirty = False
+            self._catalog.commit(key, record)
         except BaseException:
-            self._cache.abandon(entry)
+            cache.abandon(entry)
             raise
-        self._catalog.commit(key, record, lambda: self._cache.attach(key, entry))
+        cache.attach(entry)
 
-    def _get(self, key: str, out: torch.Tensor | None, cache: bool) -> torch.Tensor:
-        with self._lock:
+    def _get(self, key: str, out: torch.Tensor | None, cached: bool) -> torch.Tensor:
+        cache = self._cache
+        # The cache first: a copy evicted after this lookup was clean, so the record read next
+        # already names its placement on a tier.
+        entry = None if cache is None else cache.pin(key)
+        try:
             record = self._catalog.record(key)
             if out is not None:
                 _check_out(key, record, out)
-            entry = self._cache.pin(key)
-        if entry is None and cache and self.cache_reads and self._cache.fits(record.nbytes):
-            entry = self._cache.load(
-                key, record.nbytes, lambda into: self._read(key, record, into), pinned=True
-            )
-        if entry is None:  # not cached and not to be cached: read straight into the destination
-            return self._read_direct(key, record, out)
-        try:
+            if (
+                entry is None
+                and cached
+                and self.cache_reads
+                and cache is not None
+                and cache.fits(record.nbytes)
+            ):
+                entry = cache.load(key, record, lambda into: self._read(key, record, into), pinned=True)
+            if entry is None:  # not cached and not to be cached: read straight into the destination
+                return self._read_direct(key, record, out)
             destination = torch.empty(record.shape, dtype=record.dtype) if out is None else out
-            destination.copy_(entry.typed(record.dtype, record.shape))
+            destination.copy_(entry.typed())
             return destination
         finally:
-            self._cache.unpin(entry)
+            if entry is not None:
+                assert cache is not None
+                cache.unpin(entry)
 
     def _prefetch(self, key: str) -> None:
-        with self._lock:
-            record = self._catalog.record(key)
-            if self._cache.touch(key):
-                return
-        if not self._cache.fits(record.nbytes):
+        cache = self._cache
+        if cache is not None and cache.touch(key):
+            return
+        record = self._catalog.record(key)
+        if cache is None or not cache.fits(record.nbytes):
+            budget = 0 if cache is None else cache.capacity
             raise CapacityError(
-                f"prefetch({key!r}): {record.nbytes} bytes exceed the cache budget of "
-                f"{self._cache.capacity} bytes"
+                f"prefetch({key!r}): {record.nbytes} bytes exceed the cache budget of {budget} bytes"
             )
-        self._cache.load(key, record.nbytes, lambda into: self._read(key, record, into), pinned=False)
+        cache.load(key, record, lambda into: self._read(key, record, into), pinned=False)
 
     def _delete(self, key: str) -> None:
-        with self._lock:
-            self._cache.drop(key)
         self._catalog.remove(key)
+        if self._cache is not None:
+            self._cache.drop(key)
 
     def _read(
         self, key: str, record: Record, out: memoryview, priority: Priority = Priority.CRITICAL
@@ -484,11 +505,21 @@ class TierStore:
             raise KeyNotFoundError(f"no object with key {key!r}")
 
 
-def _check_arguments(
-    tiers: object, cache_budget: object, policy: object, workers: object, verify: object
-) -> None:
-    """Refuse a bad constructor argument with a :class:`ConfigError` naming it (a bool is not a
-    number here, although Python lets it pass for one)."""
+_NO_CACHE_STATS = {
+    "hits": 0,
+    "misses": 0,
+    "evictions": 0,
+    "writebacks": 0,
+    "cache_budget_bytes": 0,
+    "cache_bytes": 0,
+    "peak_cache_bytes": 0,
+}
+"""A store without a cache reports the cache's counters as zeros, so the statistics keep one shape."""
+
+
+def _check_tiers(tiers: object) -> None:
+    """Refuse a ``tiers`` argument that is not a non-empty list of tiers or backends (the store's
+    other arguments are options, checked by :class:`~tierstore.config.StoreOptions`)."""
     if isinstance(tiers, (str, Tier, Backend)) or not isinstance(tiers, Sequence) or not tiers:
         raise ConfigError(
             f"tiers: a TierStore needs a non-empty list of Tier or Backend objects (open 'dram://' for a "
@@ -500,18 +531,6 @@ def _check_arguments(
                 f"tiers.{index}: expected a Tier or a Backend, got {type(tier).__name__} "
                 "(TierStore.from_config opens backends from URLs)"
             )
-    if not _is_integer(cache_budget) or cache_budget < 0:
-        raise ConfigError(f"cache_budget: must be a number of bytes >= 0, not {cache_budget!r}")
-    if policy not in ("write-back", "write-through"):
-        raise ConfigError(f"policy: must be 'write-back' or 'write-through', not {policy!r}")
-    if not _is_integer(workers) or workers < 1:
-        raise ConfigError(f"workers: must be an integer >= 1, not {workers!r}")
-    if verify not in ("always", "sampled", "off"):
-        raise ConfigError(f"verify: must be 'always', 'sampled' or 'off', not {verify!r}")
-
-
-def _is_integer(value: object) -> TypeGuard[int]:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_dense(what: str, tensor: torch.Tensor) -> None:

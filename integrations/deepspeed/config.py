@@ -15,7 +15,11 @@ unknown keys, so the section sits at the top level::
         "activations": {"budget": "2GiB", "min_bytes": "1MiB", "plan": "lifetime"}
     }
 
-Without ``tiers``, one NVMe tier under ``offload_optimizer.nvme_path`` is used. A key of the section
+Each key is the option it configures, as that option is defined once: the optimizer's staging
+options (:class:`~tierstore.optimizer.options.StagingOptions`), the store's ``tiers`` and
+``workers`` (:mod:`tierstore.config`), and the activation offload's options
+(:class:`~tierstore.activations.options.ActivationOptions`). Without ``tiers``, one NVMe tier
+under ``offload_optimizer.nvme_path`` is used. A key of the section
 or of ``activations`` set to ``"auto"`` (Hugging Face's placeholder) takes its default; ``"auto"``
 anywhere else in the section is an error naming the field.
 """
@@ -26,57 +30,38 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ByteSize, Field, ValidationError
+from tierstore.activations.options import ActivationOptions
+from tierstore.optimizer.options import StagingOptions
 
-from tierstore.config import CacheConfig, StoreConfig, TierConfig
+from tierstore._checks import defined_in
+from tierstore.config import CacheConfig, StoreConfig, StoreOptions, TierConfig
 from tierstore.errors import ConfigError, config_error_from_validation
 
 SECTION = "tierstore"
 AUTO = "auto"
 
 
-class ActivationsSection(BaseModel):
-    """``tierstore.activations``: the keys of :class:`tierstore.activations.ActivationOffload`,
+class ActivationsSection(ActivationOptions):
+    """``tierstore.activations``: the options of :class:`tierstore.activations.ActivationOffload`,
     applied around the engine's forward on the optimizer's store."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    budget: ByteSize = ByteSize(512 << 20)
-    min_bytes: ByteSize = ByteSize(1 << 20)
-    plan: Literal["lifetime", "all", "none"] = "lifetime"
-
-    @field_validator("budget", "min_bytes", mode="before")
-    @classmethod
-    def _no_bool_size(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("a number of bytes or a size such as '512MiB', not a boolean")
-        return value
-
-
-class TierstoreSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TierstoreSection(StagingOptions):
+    """The ``tierstore`` section: the optimizer's staging options (:class:`StagingOptions`), the
+    store's ``tiers`` and ``workers`` (as in a store config), and what the engine does with them."""
 
     tiers: list[TierConfig] | None = Field(None, min_length=1)
-    """Where the fp32 optimizer state goes (as in a store config); default: NVMe at nvme_path."""
-    workers: int = Field(4, ge=1, le=256, strict=True)
-    dram_budget: ByteSize | None = None
-    """DRAM for staging optimizer state per rank: read-ahead ring, fp32 gradient scratch and the
-    sub-groups kept between steps. Default: just the ring and the scratch (nothing kept)."""
-    prefetch_depth: int = Field(2, ge=1, le=64, strict=True)
-    cache_policy: Literal["model", "static", "none"] = "model"
-    """Which sub-groups stay in DRAM across steps: the I/O model, MLP-Offload's last K, or none."""
+    """Where the fp32 optimizer state goes, as a store config's ``tiers`` (virtual tiers,
+    ``node_limit`` for a shared PFS...); none: one NVMe tier at
+    ``<nvme_path>/tierstore/rank<N>``."""
+    workers: int = defined_in(StoreOptions, "workers")
     order: Literal["alternate", "ascending"] = "alternate"
-    """Sub-group order per step: alternate forward/reverse (cache-friendly) or DeepSpeed's own."""
+    """Sub-group order per step: ``alternate`` forward/reverse (cache-friendly), or DeepSpeed's own
+    ``ascending``."""
     activations: ActivationsSection | None = None
-    """Spill the activations saved in forward through the same store (default: keep them)."""
-
-    @field_validator("dram_budget", mode="before")
-    @classmethod
-    def _no_bool_budget(cls, value: Any) -> Any:
-        """JSON ``true`` would otherwise pass as a budget of 1 byte."""
-        if isinstance(value, bool):
-            raise ValueError("a number of bytes or a size such as '8GiB', not a boolean")
-        return value
+    """Spill the activations saved in forward through the same store (none: keep them in memory);
+    the engine's ``tierstore_activations`` has their ``stats()`` and ``plan_explain()``."""
 
     def store_config(self, nvme_path: str | Path, rank: int) -> StoreConfig:
         """The rank's store: no store-level cache (the stager holds the DRAM), default tier on

@@ -19,68 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose matmul may run in another dtype than its (bf16) weights: on CPUs without
-    native bf16, torch's bf16 GEMM is up to 270x slower than fp32 for some layouts (backward's
-    ``grad @ weight``), which would make the example's iterations all compute. Parameters,
-    gradients and what the optimizer moves keep their dtype."""
-
-    def __init__(
-        self, inputs: int, outputs: int, bias: bool = True, compute: torch.dtype | None = None
-    ) -> None:
-        super().__init__(inputs, outputs, bias=bias)
-        self.compute = compute
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute is None or self.compute == x.dtype:
-            return super().forward(x)
-        bias = None if self.bias is None else self.bias.to(self.compute)
-        return F.linear(x.to(self.compute), self.weight.to(self.compute), bias).to(x.dtype)
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int, compute: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = Linear(width, 3 * width, compute=compute)
-        self.proj = Linear(width, width, compute=compute)
-        self.norm2 = nn.LayerNorm(width)
-        self.up = Linear(width, 4 * width, compute=compute)
-        self.down = Linear(4 * width, width, compute=compute)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(batch, length, width))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(
-        self, vocab: int, width: int, layers: int, heads: int, length: int, compute: torch.dtype | None = None
-    ) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Embedding(length, width)
-        self.blocks = nn.ModuleList(Block(width, heads, compute) for _ in range(layers))
-        self.norm = nn.LayerNorm(width)
-        self.head = Linear(width, vocab, bias=False, compute=compute)
-
-    def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor, skip_last_block: bool = False
-    ) -> torch.Tensor:
-        """The loss; ``skip_last_block`` leaves the last block out (its parameters get no gradient)."""
-        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1]))
-        for block in self.blocks[:-1] if skip_last_block else self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+from tierstore.demo import GPT
 
 
 def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
@@ -188,8 +128,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(args.seed)
+    # tierstore's demo GPT with neither dropout nor a tied head: both offloads train the same model
     model = GPT(
-        args.vocab, args.width, args.layers, args.heads, args.length, getattr(torch, args.matmul_dtype)
+        args.vocab,
+        args.width,
+        args.layers,
+        args.heads,
+        args.length,
+        dropout=0.0,
+        tied_head=False,
+        compute=getattr(torch, args.matmul_dtype),
     )
     start_initialize = deepspeed.initialize if args.offload == "deepspeed" else initialize
     engine, *_ = start_initialize(

@@ -1,0 +1,28 @@
+"""The options of :class:`~tierstore.activations.ActivationOffload`, each defined once: its keyword
+arguments and the DeepSpeed config's ``tierstore.activations`` table validate through
+:class:`ActivationOptions`."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import ByteSize
+
+from .._checks import ConfigModel
+
+Plan = Literal["lifetime", "all", "none"]
+PLANS: tuple[Plan, ...] = get_args(Plan)
+
+
+class ActivationOptions(ConfigModel):
+    """How the activations saved in forward are spilled."""
+
+    budget: ByteSize = ByteSize(512 << 20)
+    """Memory for saved tensors of at least ``min_bytes``: captures being written, tensors the
+    plan keeps, and bytes read back ahead of backward or in use by it; reserved from the store's
+    memory ledger."""
+    min_bytes: ByteSize = ByteSize(1 << 20)
+    """Smaller saved tensors stay in memory as autograd keeps them."""
+    plan: Plan = "lifetime"
+    """``lifetime``: profile a step, then keep in memory what cannot be hidden; ``all``: spill every
+    eligible tensor; ``none``: keep everything (the hooks only count)."""

@@ -1,0 +1,202 @@
+"""The working tree against an earlier revision, on the hot paths: a change's "no slower" check.
+
+Two workloads, each run by the benchmark script of the revision under test, in a fresh process
+per run, alternating between the revisions (A B, B A, ...) so that the disk's drift between runs
+falls on both alike:
+
+* **update**: the offloaded optimizer's update phase (``bench_optimizer.py --side tierstore``):
+  ``--state`` bytes of fp32 AdamW state in sub-groups through an NVMe (O_DIRECT) tier under
+  ``--budget`` of DRAM. Figure: seconds per step, median of the steps after the first.
+* **activations**: activation offload of a small GPT (``bench_activations.py --child
+  tierstore-lifetime``). Figure: seconds per training step, median of the steps after warm-up.
+
+The earlier revision is checked out in a temporary git worktree and imported from a tree of links
+laid out as the installed package (its folders map to ``tierstore.*`` as the package's do), with
+the same interpreter and libraries. Reported per workload: each revision's median, min and max
+over repeats, and the working tree's median over the base's (below 1: faster).
+
+    .venv/bin/python benchmarks/bench_revisions.py --base HEAD --output benchmarks/results/revisions.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from common import data_directory, format_size, log, metadata, parse_size, positive_int, spread
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_FOLDERS = ("backends", "optimizer", "activations", "checkpoint", "integrations")
+"""Top-level folders installed as ``tierstore.<name>`` (pyproject's package-dir)."""
+ACTIVATION_WARMUP = 2
+
+
+@contextmanager
+def revision_tree(revision: str) -> Iterator[tuple[Path, Path]]:
+    """Check ``revision`` out in a temporary worktree; yield (its root, its import tree)."""
+    with tempfile.TemporaryDirectory(prefix="tierstore-revision-") as scratch:
+        root, imports = Path(scratch) / "tree", Path(scratch) / "imports"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(root), revision],
+            check=True,
+        )
+        try:
+            package = imports / "tierstore"
+            package.mkdir(parents=True)
+            for entry in (root / "tierstore").iterdir():
+                (package / entry.name).symlink_to(entry)
+            for folder in PACKAGE_FOLDERS:
+                if (root / folder).is_dir():
+                    (package / folder).symlink_to(root / folder)
+            yield root, imports
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(root)], check=True)
+
+
+def update_command(args: argparse.Namespace, directory: Path) -> list[str]:
+    return [
+        "benchmarks/bench_optimizer.py",
+        "--side",
+        "tierstore",
+        "--dir",
+        str(directory),
+        "--state",
+        str(args.state),
+        "--budget",
+        str(args.budget),
+        "--numel",
+        str(args.numel),
+        "--steps",
+        str(args.steps),
+    ]
+
+
+def activations_command(args: argparse.Namespace, directory: Path) -> list[str]:
+    return [
+        "benchmarks/bench_activations.py",
+        "--child",
+        "tierstore-lifetime",
+        "--json",
+        str(directory / "result.json"),
+        "--dir",
+        str(directory / "tier"),
+        "--steps",
+        str(args.steps + ACTIVATION_WARMUP),
+    ]
+
+
+def update_seconds(stdout: str, directory: Path) -> float:
+    steps = json.loads(stdout.strip().splitlines()[-1])["steps"]
+    return statistics.median(step["update_s"] for step in steps[1:])
+
+
+def activation_seconds(stdout: str, directory: Path) -> float:
+    rows = json.loads((directory / "result.json").read_text())["rows"]
+    return statistics.median(row["step_s"] for row in rows[ACTIVATION_WARMUP:])
+
+
+WORKLOADS: dict[str, tuple[Callable[[argparse.Namespace, Path], list[str]], Callable[[str, Path], float]]] = {
+    "update": (update_command, update_seconds),
+    "activations": (activations_command, activation_seconds),
+}
+
+
+def run_once(
+    workload: str, args: argparse.Namespace, root: Path, imports: Path | None, scratch: Path
+) -> float:
+    """One run of ``workload`` with the benchmark script and the package of ``root``."""
+    command, figure = WORKLOADS[workload]
+    environment = dict(os.environ)
+    if imports is not None:  # ahead of the installed (editable) package of the working tree
+        environment["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(imports), os.environ.get("PYTHONPATH")])
+        )
+    with tempfile.TemporaryDirectory(prefix=f"{workload}-", dir=scratch) as directory:
+        done = subprocess.run(
+            [sys.executable, *command(args, Path(directory))],
+            cwd=root,
+            env=environment,
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{workload} at {root} failed:\n{done.stderr[-4000:]}")
+        return figure(done.stdout, Path(directory))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="the earlier revision (default: HEAD)")
+    parser.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs of each revision, alternating")
+    parser.add_argument(
+        "--workloads", default="update,activations", help="comma-separated: update,activations"
+    )
+    parser.add_argument(
+        "--state", type=parse_size, default=parse_size("4GiB"), help="update: fp32 state bytes"
+    )
+    parser.add_argument("--budget", type=parse_size, default=parse_size("1GiB"), help="update: DRAM budget")
+    parser.add_argument("--numel", type=positive_int, default=32 << 20, help="update: elements per sub-group")
+    parser.add_argument("--steps", type=positive_int, default=3, help="measured steps per run")
+    args = parser.parse_args()
+    workloads = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads: {', '.join(unknown)} (choose from {', '.join(WORKLOADS)})")
+    base = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    results: dict[str, Any] = {}
+    with (
+        revision_tree(args.base) as (base_root, base_imports),
+        data_directory(args.dir, "revisions-") as scratch,
+    ):
+        sides = {"base": (base_root, base_imports), "working": (ROOT, None)}
+        for workload in workloads:
+            seconds: dict[str, list[float]] = {"base": [], "working": []}
+            for repeat in range(args.repeats):
+                order = ["base", "working"] if repeat % 2 == 0 else ["working", "base"]
+                for side in order:
+                    root, imports = sides[side]
+                    seconds[side].append(run_once(workload, args, root, imports, scratch))
+                    log(f"{workload} {side} run {repeat + 1}: {seconds[side][-1]:.3f} s")
+            results[workload] = {
+                "base_s": spread(seconds["base"]),
+                "working_s": spread(seconds["working"]),
+                "working_over_base": round(
+                    statistics.median(seconds["working"]) / statistics.median(seconds["base"]), 3
+                ),
+            }
+        document = {
+            **metadata(scratch, base=base, repeats=args.repeats),
+            "update": {
+                "state": format_size(args.state),
+                "budget": format_size(args.budget),
+                "numel": args.numel,
+            },
+            "results": results,
+        }
+    text = json.dumps(document, indent=2)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

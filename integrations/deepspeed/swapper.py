@@ -1,0 +1,307 @@
+"""The optimizer-state swapper DeepSpeed's ZeRO-3 optimizer calls (seam 2), over a TierStore.
+
+DeepSpeed swaps each fp32 sub-group partition in before its update and out after it through an
+"optimizer swapper"; :class:`TierStoreSwapper` is that surface, staging the state through a
+:class:`~tierstore.optimizer.staging.SubGroupStager` (read-ahead in the pass order it is told, the
+end of a pass kept in DRAM, background write-back) instead of DeepSpeed's aio swap files. It also
+moves its sub-groups into and out of a checkpoint (:mod:`.checkpoints`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tierstore.optimizer.staging import FP32, SubGroupStager
+
+from tierstore.buffers import aligned_tensor
+from tierstore.errors import BufferMismatchError, CapacityError, ConfigError
+from tierstore.store import TierStore
+
+from .checkpoints import SavedSubGroup, checkpoint_store, read_index, read_swap_file, write_index
+from .config import TierstoreSection
+
+MAX_STATE_TENSORS = 2  # Adam/AdamW: exp_avg, exp_avg_sq
+
+
+class TierStoreSwapper:
+    """DeepSpeed's optimizer-swapper surface over a TierStore.
+
+    Each fp32 sub-group partition (DeepSpeed's ``fp32_partitioned_groups_flat[i]``, named by its
+    ``ds_id``) is one store object laid out ``[master | state tensors...]``. The state tensors are
+    whatever the optimizer keeps per element (Adam: ``exp_avg``, ``exp_avg_sq``), discovered when
+    it first creates them; between swap-in and swap-out they are views into the staging buffer.
+    """
+
+    def __init__(
+        self,
+        store: TierStore,
+        section: TierstoreSection,
+        swap_folder: Path,
+        optimizer: torch.optim.Optimizer,
+        largest_numel: int,
+        namespace: str,
+    ) -> None:
+        self.store = store
+        self.optimizer = optimizer
+        self.swap_folder = str(swap_folder)
+        os.makedirs(self.swap_folder, mode=0o700, exist_ok=True)
+        self.stager = SubGroupStager(
+            store,
+            namespace,
+            slot_elements=(1 + MAX_STATE_TENSORS) * largest_numel,
+            dram_budget=None if section.dram_budget is None else int(section.dram_budget),
+            prefetch_depth=section.prefetch_depth,
+            cache_policy=section.cache_policy,
+            reserved_bytes=FP32 * largest_numel,
+            owner=type(self).__name__,
+        )
+        self.gradient = aligned_tensor(largest_numel)
+        """The one fp32 gradient buffer sub-groups are converted into during the update."""
+        self._parameters: dict[str, torch.Tensor] = {}
+        self._numels: dict[str, int] = {}
+        self._state_names: dict[str, tuple[str, ...]] = {}
+        self._closer = weakref.finalize(self, store.close)
+
+    # -- DeepSpeed's swapper surface ------------------------------------------------------------
+    def is_swappable_tensor(self, tensor: torch.Tensor | None = None, numel: int | None = None) -> bool:
+        """Every sub-group goes through the store, so every one takes the low-precision path."""
+        return True
+
+    def initialize_parameters(
+        self, parameters: Sequence[torch.Tensor], src_tensors: Sequence[torch.Tensor]
+    ) -> None:
+        for parameter, source in zip(parameters, src_tensors, strict=True):
+            name = self._register(parameter, source.numel())
+            self.stager.write(name, source.numel(), functools.partial(_copy_flat, source))
+        self.stager.wait_writes()
+
+    def initialize_from_swapped_fp16_params(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.fast_init: not supported with tierstore when parameters "
+            "are offloaded to NVMe; set it to false"
+        )
+
+    def swap_in_optimizer_state(
+        self, parameter: torch.Tensor, async_parameter: torch.Tensor | None = None
+    ) -> None:
+        """Point the master weights and the optimizer's state tensors into the staged buffer
+        (read-ahead follows the pass order given to :meth:`begin_pass`, not ``async_parameter``)."""
+        name = self._name(parameter)
+        numel = self._numels[name]
+        names = self._state_names[name]
+        state = self.stager.acquire(name, (1 + len(names)) * numel)
+        parameter.data = state[:numel]
+        entry = self.optimizer.state[parameter]
+        for slot, key in enumerate(names, start=1):
+            view = state[slot * numel : (slot + 1) * numel]
+            if torch.is_tensor(entry.get(key)):
+                entry[key].data = view
+            else:
+                entry[key] = view
+
+    def create_adam_state(self, parameter: torch.Tensor) -> None:
+        """Before a sub-group's first update: its Adam moments, zeros in the staging buffer beside
+        its master weights, and its step count at 0, as ``DeepSpeedCPUAdam`` initialises them;
+        it then uses these instead of allocating two more tensors of the sub-group's size."""
+        entry = self.optimizer.state[parameter]
+        name = self._name(parameter)
+        if entry or self._state_names[name]:
+            return
+        numel = self._numels[name]
+        state = self.stager.resize(name, 3 * numel)
+        state[numel:].zero_()
+        parameter.data = state[:numel]
+        entry["step"] = 0
+        entry["exp_avg"], entry["exp_avg_sq"] = state[numel : 2 * numel], state[2 * numel :]
+        self._state_names[name] = ("exp_avg", "exp_avg_sq")
+
+    def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
+        """Lay the state tensors out in the buffer (copying any the optimizer created anew), then
+        keep the sub-group in DRAM or write it back, as the stager's plan says."""
+        name = self._name(parameter)
+        numel = self._numels[name]
+        tensors = [
+            (key, value)
+            for key, value in self.optimizer.state.get(parameter, {}).items()
+            if torch.is_tensor(value) and value.shape == (numel,)
+        ]
+        if len(tensors) > MAX_STATE_TENSORS:
+            raise CapacityError(
+                f"the optimizer keeps {len(tensors)} state tensors per element; tierstore stages at most "
+                f"{MAX_STATE_TENSORS} (Adam/AdamW)"
+            )
+        state = self.stager.resize(name, (1 + len(tensors)) * numel)
+        targets = [state[slot * numel : (slot + 1) * numel] for slot in range(1, len(tensors) + 1)]
+        sources = [
+            value if value.data_ptr() == target.data_ptr() else value.clone()
+            for (_, value), target in zip(tensors, targets, strict=True)
+        ]
+        for source, target in zip(sources, targets, strict=True):
+            if source.data_ptr() != target.data_ptr():
+                target.copy_(source)
+        for _, value in tensors:
+            value.data = torch.empty(0, dtype=value.dtype)
+        parameter.data = torch.empty(0, dtype=parameter.dtype)
+        self._state_names[name] = tuple(key for key, _ in tensors)
+        self.stager.release(name)
+
+    def release_swap_buffers(self, parameter: torch.Tensor) -> None:
+        """DeepSpeed releases without writing when it did not change the state; the staged copy
+        may still be the only current one (kept in DRAM), so it is released the normal way."""
+        self.swap_out_optimizer_state(parameter)
+
+    def writeback_optimizer_state_and_gradients(
+        self, parameter: torch.Tensor, write_opt_state: bool, write_gradients: bool
+    ) -> None:
+        self.swap_out_optimizer_state(parameter)
+
+    def swap_out_gradients(
+        self, parameter: torch.Tensor, gradient_offsets: Any, gradient_tensors: Any
+    ) -> None:
+        raise RuntimeError("tierstore keeps gradients in low precision in memory; none is ever swapped out")
+
+    def purge_state(self) -> None:
+        """DeepSpeed replaced the optimizer's state tensors (a state-dict load): stage the masters
+        only, and lay the new tensors out at the next swap-out."""
+        self._state_names = dict.fromkeys(self._state_names, ())
+
+    def init_timers(self) -> None:
+        """Timing lives in the store's telemetry (``store.stats()``)."""
+
+    def log_timers(self) -> None:
+        """Timing lives in the store's telemetry (``store.log_stats()``)."""
+
+    def pre_backward(self) -> None:
+        """Nothing to prepare: gradients never go through the store."""
+
+    def post_backward(self) -> None:
+        """Nothing to finish: gradients never go through the store."""
+
+    # -- tierstore's additions ------------------------------------------------------------------
+    def begin_pass(self, parameters: Sequence[torch.Tensor]) -> None:
+        """A step will visit these sub-groups in this order."""
+        names = [self._name(p) for p in parameters]
+        self.stager.begin_pass(names, {n: (1 + len(self._state_names[n])) * self._numels[n] for n in names})
+
+    def end_pass(self) -> None:
+        self.stager.end_pass()
+
+    def export_checkpoint(self, folder: Path, extra: dict[str, Any]) -> None:
+        """Copy every sub-group's state into the checkpoint's store in ``folder``
+        (:func:`~.checkpoints.checkpoint_store`; hard links where they share a file system), then
+        commit the index with the optimizer's per-sub-group scalars (step counts) and ``extra``,
+        so an interrupted save leaves no checkpoint that looks whole."""
+        self.stager.flush()  # the sub-groups kept in DRAM: their current state to the store
+        with checkpoint_store(folder) as saved:
+            self.store.copy_to(saved, [self.stager.key(name) for name in self._parameters])
+        subgroups = {
+            name: SavedSubGroup(
+                self._numels[name], self._state_names[name], self.optimizer.state.get(parameter, {})
+            )
+            for name, parameter in self._parameters.items()
+        }
+        write_index(folder, subgroups, extra)
+
+    def restore_checkpoint(self, folder: Path) -> dict[str, Any]:
+        """Copy the sub-groups' state back from the checkpoint's store in ``folder`` into this
+        store (hard links where they share a file system) and their scalars into the optimizer;
+        returns the index's ``extra``. The model's sub-groups must match the saved ones (same
+        model, sub_group_size and world size); a checkpoint that does not fit changes nothing."""
+        subgroups, extra = read_index(folder)
+        if {name: saved.numel for name, saved in subgroups.items()} != self._numels:
+            raise BufferMismatchError(
+                f"{folder}: the checkpoint's sub-groups differ from this model's (model, sub_group_size "
+                "and world size must match the run that saved it)"
+            )
+        for name, saved in subgroups.items():
+            if len(saved.states) > MAX_STATE_TENSORS:
+                raise BufferMismatchError(
+                    f"{folder}: sub-group {name} keeps {len(saved.states)} state tensors"
+                )
+        self.stager.drop_resident()
+        with checkpoint_store(folder) as checkpoint:
+            checkpoint.copy_to(self.store, [self.stager.key(name) for name in subgroups])
+        for name, saved in subgroups.items():
+            self.stager.restored(name, (1 + len(saved.states)) * saved.numel)
+            self._set_state(name, saved.states, dict(saved.scalars))
+        return extra
+
+    def import_deepspeed_state(
+        self,
+        parameters: Sequence[torch.Tensor],
+        masters: Sequence[torch.Tensor],
+        saved: Sequence[dict[str, Any]],
+    ) -> None:
+        """Take the sub-groups' state from a checkpoint of DeepSpeed's own NVMe offload: per
+        sub-group (``parameters``, the live fp32 partitions), the master and optimizer state it kept
+        in its ZeRO checkpoint (``masters``, ``saved``), and for what it had swapped (empty there)
+        its files, which the engine copied into ``swap_folder``."""
+        self.stager.drop_resident()
+        for parameter, master, entry in zip(parameters, masters, saved, strict=True):
+            name = self._name(parameter)
+            numel = self._numels[name]
+            states = tuple(key for key, value in entry.items() if torch.is_tensor(value) and value.dim() == 1)
+            if len(states) > MAX_STATE_TENSORS:
+                raise BufferMismatchError(f"sub-group {name}: {len(states)} optimizer state tensors")
+            state = torch.empty((1 + len(states)) * numel, dtype=torch.float32)
+            sources = [
+                (f"{name}.tensor.swp", master),
+                *((f"{k}-{name}.tensor.swp", entry[k]) for k in states),
+            ]
+            for slot, (file, value) in enumerate(sources):
+                target = state[slot * numel : (slot + 1) * numel]
+                if value.numel() == numel:
+                    target.copy_(value)
+                else:  # DeepSpeed had swapped it: its file holds it (padded to its alignment)
+                    read_swap_file(os.path.join(self.swap_folder, file), target)
+            self._restore(name, state, states, {k: v for k, v in entry.items() if k not in states})
+        self.stager.wait_writes()
+
+    def clear_imported(self) -> None:
+        """Remove the DeepSpeed swap files an import read from ``swap_folder``."""
+        for entry in os.scandir(self.swap_folder):
+            if entry.name.endswith(".tensor.swp"):
+                os.unlink(entry.path)
+
+    def close(self) -> None:
+        """Close the store (its objects are scratch: a checkpoint's store is the durable copy)."""
+        self._closer()
+
+    # -- internals ------------------------------------------------------------------------------
+    @staticmethod
+    def _name(parameter: torch.Tensor) -> str:
+        return str(parameter.ds_id)  # type: ignore[attr-defined]
+
+    def _restore(
+        self, name: str, state: torch.Tensor, states: tuple[str, ...], scalars: dict[str, Any]
+    ) -> None:
+        """Write a sub-group's ``[master | states...]`` to the store, and :meth:`_set_state`."""
+        self.stager.write(name, state.numel(), lambda buffer: buffer.copy_(state))
+        self._set_state(name, states, scalars)
+
+    def _set_state(self, name: str, states: tuple[str, ...], scalars: dict[str, Any]) -> None:
+        """A sub-group's state tensor names and its scalars (Adam's step) into the optimizer's
+        state, the tensors to be laid out at the next swap-in."""
+        self._state_names[name] = states
+        entry = self.optimizer.state[self._parameters[name]]
+        for key in states:
+            entry.setdefault(key, torch.empty(0))
+        entry.update(scalars)
+
+    def _register(self, parameter: torch.Tensor, numel: int) -> str:
+        name = self._name(parameter)
+        self._parameters[name] = parameter
+        self._numels[name] = numel
+        self._state_names[name] = ()
+        return name
+
+
+def _copy_flat(source: torch.Tensor, state: torch.Tensor) -> None:
+    """Fill a sub-group's master weights from DeepSpeed's partition (any shape)."""
+    state.copy_(source.reshape(-1))

@@ -1,0 +1,169 @@
+"""The activation spill policy: which saved tensors are spilled, the order backward reads them back
+in, and how room is made when the memory budget is full.
+
+One policy drives two executions of a step, so that a plan's prediction follows what the runtime
+does by construction: :mod:`tierstore.activations` carries its decisions out on real memory, writes
+and reads, and :func:`tierstore.model.replay_spill` carries them out on a simulated timeline to
+judge a plan. Each describes the saved tensors of one step to the policy through
+:class:`SpilledTensors` and does what it decides.
+
+The rules:
+
+* admission: a saved tensor is spilled if the plan says so (every one while there is no plan); a
+  spilled tensor's capture is let go of when its write ends, unless backward's read-ahead has
+  already reached it (it is then handed back without a read);
+* room at a save: when the budget is full, wait for writes in flight (each gives its capture
+  back), and nothing else;
+* reads: at the end of forward and after each use, reads start in backward's order (the plan's
+  profiled use order, or reverse save order without a plan) for as many spilled tensors as there
+  is room for now; one still in memory is handed back without a read;
+* room for a read backward is waiting for: first drop the tensor held ahead of its use that
+  backward needs last (it is read again when its turn comes), then wait for writes and reads in
+  flight. When nothing in flight can make room, the bytes go to ordinary memory (an overflow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
+
+Tensor = TypeVar("Tensor")
+"""How a caller names the saved tensors of a step: the runtime's entries, the replay's indices."""
+Tensor_contra = TypeVar("Tensor_contra", contravariant=True)
+
+
+class Residence(Enum):
+    """Where a spilled tensor's bytes are, as far as starting a read is concerned."""
+
+    DONE = "done"
+    """Used, freed, failed, or being read: there is nothing to start for it."""
+    WRITING = "writing"
+    """Its capture is in memory while its write runs."""
+    AHEAD = "ahead"
+    """In memory and in the store before backward uses it (read ahead, or a capture kept to be
+    handed back): dropping it makes room."""
+    STORED = "stored"
+    """Only in the store: a read brings it back."""
+
+
+class Room(Enum):
+    """What making room did, or what the caller must do next."""
+
+    DROPPED = "dropped"
+    """A tensor held ahead of its use was let go of: try again."""
+    WAIT = "wait"
+    """Wait for a write or read in flight to end, then try again."""
+    NONE = "none"
+    """Nothing in flight will make room: the bytes go to ordinary memory."""
+
+
+class SpilledTensors(Protocol[Tensor_contra]):
+    """The spilled tensors of one step, as the policy sees them and acts on them."""
+
+    def residence(self, tensor: Tensor_contra) -> Residence:
+        """Where the tensor's bytes are."""
+        ...
+
+    def hand_back(self, tensor: Tensor_contra) -> None:
+        """Keep the tensor's capture in memory to hand it back without a read."""
+        ...
+
+    def try_read_ahead(self, tensor: Tensor_contra) -> bool:
+        """Start reading the tensor back if the budget has room for it now; whether it had."""
+        ...
+
+    def drop(self, tensor: Tensor_contra) -> None:
+        """Let go of the tensor's bytes held in memory ahead of its use."""
+        ...
+
+
+class ReadAhead(Generic[Tensor]):
+    """Backward's reads of one step: the order they are started in, and how far that has got.
+
+    Args:
+        order: the spilled tensors in the order reads start in (:meth:`SpillPolicy.read_order`).
+    """
+
+    def __init__(self, order: Sequence[Tensor] = ()) -> None:
+        self.order = list(order)
+        self.cursor = 0
+        """Position in ``order`` of the next tensor to start a read for."""
+
+    def advance(self, tensors: SpilledTensors[Tensor]) -> None:
+        """Start reads in order for as many tensors as there is room for now; a tensor still in
+        memory is handed back instead of read."""
+        while self.cursor < len(self.order):
+            tensor = self.order[self.cursor]
+            residence = tensors.residence(tensor)
+            if residence is Residence.WRITING or residence is Residence.AHEAD:
+                tensors.hand_back(tensor)
+            elif residence is Residence.STORED and not tensors.try_read_ahead(tensor):
+                return
+            self.cursor += 1
+
+    def take_back_last(self, wanted: Tensor, tensors: SpilledTensors[Tensor]) -> Tensor | None:
+        """The tensor held ahead of its use that backward needs last, other than ``wanted``; the
+        cursor returns to it so that it is read again in its turn. None if none is held ahead."""
+        for position in range(len(self.order) - 1, -1, -1):
+            tensor = self.order[position]
+            if tensor != wanted and tensors.residence(tensor) is Residence.AHEAD:
+                self.cursor = min(self.cursor, position)
+                return tensor
+        return None
+
+
+@dataclass(frozen=True)
+class SpillPolicy:
+    """The decisions of one step (see the module docstring); tensors are named here by their index
+    in save order.
+
+    Args:
+        spill: the tensors a plan spills; None spills every one (a step run without a plan:
+            profiling, or plan ``"all"``).
+        use_order: the spilled tensors in the order backward used them when profiled; None reads
+            back in reverse save order (a sequential model's backward order).
+    """
+
+    spill: frozenset[int] | None = None
+    use_order: tuple[int, ...] | None = None
+
+    @property
+    def planned(self) -> bool:
+        """Whether a plan decides what is spilled."""
+        return self.spill is not None
+
+    def spills(self, index: int) -> bool:
+        """Whether the tensor saved at ``index`` is spilled (otherwise it stays in memory)."""
+        return self.spill is None or index in self.spill
+
+    def read_order(self, spilled: Sequence[int]) -> list[int]:
+        """The order backward's reads start in, for a step that spilled ``spilled`` (ascending)."""
+        return list(spilled[::-1] if self.use_order is None else self.use_order)
+
+    def keeps_after_write(self, *, handed_back: bool, used: bool) -> bool:
+        """Whether a capture stays in memory once its write ends: only while read-ahead counts on
+        handing it back and backward has not used it yet."""
+        return handed_back and not used
+
+    def room_to_save(self, *, writing: bool) -> Room:
+        """What to do when a capture does not fit: wait while writes are in flight."""
+        return Room.WAIT if writing else Room.NONE
+
+    def room_to_read(
+        self,
+        tensors: SpilledTensors[Tensor],
+        reads: ReadAhead[Tensor],
+        wanted: Tensor,
+        *,
+        writing: bool,
+        reading: bool,
+    ) -> Room:
+        """What to do when backward waits for ``wanted`` and its bytes do not fit: drop the tensor
+        held ahead that backward needs last, else wait for writes and reads in flight."""
+        dropped = reads.take_back_last(wanted, tensors)
+        if dropped is not None:
+            tensors.drop(dropped)
+            return Room.DROPPED
+        return Room.WAIT if writing or reading else Room.NONE

@@ -1,0 +1,132 @@
+"""Staging memory: the DRAM a workload copies tensors through on their way to and from the tiers.
+
+Every workload that stages data (the write-back cache, the offloaded optimizer's sub-groups,
+spilled activations, checkpoint drains) needs the same kind of memory: page-aligned buffers that
+O_DIRECT can use without a bounce copy, page-locked where CUDA exists so host<->device copies run
+asynchronously, recycled by size (:class:`~tierstore.buffers.BufferPool`), and counted against
+the store's one DRAM budget (:class:`~tierstore.memory.MemoryLedger`) so that the sum of all
+workloads' budgets is checked when each starts, not discovered as an out-of-memory kill mid-step.
+
+A :class:`StagingArea` is that memory for one owner: its budget is reserved from the ledger when
+it is made and given back when it is closed (or garbage collected), and its pool never holds more
+than the budget.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+from .buffers import AlignedBuffer, BufferPool, Lease, round_up
+from .errors import CapacityError
+from .memory import MemoryLedger, Reservation
+
+
+class StagingArea:
+    """Aligned (and, where CUDA exists, pinned) buffers under a byte budget reserved from a ledger.
+
+    Args:
+        ledger: the store's DRAM ledger (:attr:`TierStore.memory`); the budget is reserved from it
+            at once, so a budget that does not fit beside the other workloads' raises
+            :class:`~tierstore.errors.CapacityError` here, naming who holds what.
+        owner: who holds the memory, as the ledger reports it (``"cache"``,
+            ``"optimizer <namespace>"``, ``"activations <namespace>"``).
+        budget: bytes reserved from the ledger: the most the area's buffers (and the owner's own,
+            see ``pool_bytes``) ever hold.
+        pin: page-lock the buffers for asynchronous CUDA copies; default: where CUDA exists.
+        resident: keep freed pages for reuse instead of returning them to the kernel (for
+            workloads whose buffer sizes change all the time and that fill their budget every
+            step; see :class:`~tierstore.buffers.BufferPool`).
+        pool_bytes: most bytes of buffers the pool holds; default: the budget. Less for an owner
+            that also holds buffers of its own under the same budget (an offloaded optimizer's
+            read-ahead ring and gradient buffer), which the reservation then counts too; at most
+            the budget rounded up to whole pages (the pool carves whole pages).
+    """
+
+    def __init__(
+        self,
+        ledger: MemoryLedger,
+        owner: str,
+        budget: int,
+        *,
+        pin: bool | None = None,
+        resident: bool = False,
+        pool_bytes: int | None = None,
+    ) -> None:
+        pool_bytes = _checked_pool_bytes(owner, budget, pool_bytes)
+        self.owner = owner
+        self.ledger = ledger
+        reservation = ledger.reserve(owner, budget)
+        self._reservation: Reservation = reservation
+        self._unreserve = weakref.finalize(self, ledger.release, reservation)
+        self.pool = BufferPool(pool_bytes, pin=pin, resident=resident)
+        """The buffers (acquire, lease and release them here)."""
+
+    @property
+    def budget(self) -> int:
+        """Bytes reserved for this area in the ledger."""
+        return self._reservation.nbytes
+
+    @property
+    def capacity(self) -> int:
+        """Most bytes of buffers the pool holds (``pool_bytes``, by default the budget; rounded
+        down to whole pages of a resident pool)."""
+        return self.pool.capacity
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the buffers hold now: in use, or idle and kept for reuse."""
+        return self.pool.allocated_bytes
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Capacity of the buffers handed out and not yet released."""
+        return self.pool.in_use_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an object of ``nbytes`` could ever get a buffer here."""
+        return self.pool.fits(nbytes)
+
+    def try_acquire(self, nbytes: int, *, fresh_pages: bool = False) -> AlignedBuffer | None:
+        """A buffer of at least ``nbytes``, or None while buffers in use leave no room (see
+        :meth:`BufferPool.try_acquire`)."""
+        return self.pool.try_acquire(nbytes, fresh_pages=fresh_pages)
+
+    def try_lease(
+        self, nbytes: int, on_return: Callable[[], None] | None = None, *, fresh_pages: bool = False
+    ) -> Lease | None:
+        """Memory lent as tensors that give it back when the last one is gone (see
+        :meth:`BufferPool.try_lease`)."""
+        return self.pool.try_lease(nbytes, on_return, fresh_pages=fresh_pages)
+
+    def release(self, buffer: AlignedBuffer) -> None:
+        """Return a buffer acquired here; the caller must hold no view of it any more."""
+        self.pool.release(buffer)
+
+    def resize(self, budget: int, *, pool_bytes: int | None = None) -> None:
+        """Change the budget, and the pool's share of it as the constructor's ``pool_bytes``: the
+        new budget takes the old one's place in the ledger in one step, so it needs room for the
+        difference only, and a failure leaves the area as it was. The pool starts afresh: call it
+        only with no buffer of it in use."""
+        pool_bytes = _checked_pool_bytes(self.owner, budget, pool_bytes)
+        reservation = self.ledger.reserve(self.owner, budget, replacing=self._reservation)
+        self._unreserve.detach()
+        self._reservation = reservation
+        self._unreserve = weakref.finalize(self, self.ledger.release, reservation)
+        self.pool.clear()
+        self.pool = BufferPool(pool_bytes, pin=self.pool.pin, resident=self.pool.resident)
+
+    def close(self) -> None:
+        """Free the idle buffers and give the budget back to the ledger (buffers still in use stay
+        valid until released)."""
+        self.pool.clear()
+        self._unreserve()
+
+
+def _checked_pool_bytes(owner: str, budget: int, pool_bytes: int | None) -> int:
+    """The pool's capacity: ``pool_bytes``, or the budget (whose own check is the ledger's)."""
+    if pool_bytes is None:
+        return budget
+    if not 0 <= pool_bytes <= round_up(max(budget, 0)):
+        raise CapacityError(f"{owner}: a pool of {pool_bytes} bytes does not fit a budget of {budget} bytes")
+    return pool_bytes
