@@ -13,7 +13,7 @@ falls on both alike:
 The earlier revision is checked out in a temporary git worktree and imported from a tree of links
 laid out as the installed package (its folders map to ``tierstore.*`` as the package's do), with
 the same interpreter and libraries. Reported per workload: each revision's median, min and max
-over repeats, and the working tree's median over the base's (below 1: faster).
+over repeats, the bytes each run moved, and the working tree's median over the base's (below 1: faster).
 
     .venv/bin/python benchmarks/bench_revisions.py --base HEAD --output benchmarks/results/revisions.json
 """
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common import data_directory, format_size, log, metadata, parse_size, positive_int, spread
+from common import format_size, log, metadata, parse_size, positive_int, run_benchmark, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_FOLDERS = ("backends", "optimizer", "activations", "checkpoint", "integrations")
@@ -94,25 +94,30 @@ def activations_command(args: argparse.Namespace, directory: Path) -> list[str]:
     ]
 
 
-def update_seconds(stdout: str, directory: Path) -> float:
-    steps = json.loads(stdout.strip().splitlines()[-1])["steps"]
-    return statistics.median(step["update_s"] for step in steps[1:])
+def update_figures(stdout: str, directory: Path) -> tuple[float, int]:
+    steps = json.loads(stdout.strip().splitlines()[-1])["steps"][1:]
+    moved = sum(step["bytes_read"] + step["bytes_written"] for step in steps)
+    return statistics.median(step["update_s"] for step in steps), moved
 
 
-def activation_seconds(stdout: str, directory: Path) -> float:
-    rows = json.loads((directory / "result.json").read_text())["rows"]
-    return statistics.median(row["step_s"] for row in rows[ACTIVATION_WARMUP:])
+def activation_figures(stdout: str, directory: Path) -> tuple[float, int]:
+    rows = json.loads((directory / "result.json").read_text())["rows"][ACTIVATION_WARMUP:]
+    moved = sum(int(row["spilled_bytes"] + row["read_bytes"]) for row in rows)
+    return statistics.median(row["step_s"] for row in rows), moved
 
 
-WORKLOADS: dict[str, tuple[Callable[[argparse.Namespace, Path], list[str]], Callable[[str, Path], float]]] = {
-    "update": (update_command, update_seconds),
-    "activations": (activations_command, activation_seconds),
+Figures = Callable[[str, Path], tuple[float, int]]
+"""A run's figures from its standard output and its directory: seconds per step, and the bytes its
+measured steps moved (the same on both revisions, or they did not do the same work)."""
+WORKLOADS: dict[str, tuple[Callable[[argparse.Namespace, Path], list[str]], Figures]] = {
+    "update": (update_command, update_figures),
+    "activations": (activations_command, activation_figures),
 }
 
 
 def run_once(
     workload: str, args: argparse.Namespace, root: Path, imports: Path | None, scratch: Path
-) -> float:
+) -> tuple[float, int]:
     """One run of ``workload`` with the benchmark script and the package of ``root``."""
     command, figure = WORKLOADS[workload]
     environment = dict(os.environ)
@@ -154,6 +159,12 @@ def main() -> int:
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads: {', '.join(unknown)} (choose from {', '.join(WORKLOADS)})")
+    args.workloads = workloads
+    return run_benchmark(compare, args, prefix="revisions-", needs_fio=False)
+
+
+def compare(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Each workload on both revisions, alternating; the document :func:`main` prints."""
     base = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
         check=True,
@@ -161,41 +172,33 @@ def main() -> int:
         text=True,
     ).stdout.strip()
     results: dict[str, Any] = {}
-    with (
-        revision_tree(args.base) as (base_root, base_imports),
-        data_directory(args.dir, "revisions-") as scratch,
-    ):
+    with revision_tree(args.base) as (base_root, base_imports):
         sides = {"base": (base_root, base_imports), "working": (ROOT, None)}
-        for workload in workloads:
+        for workload in args.workloads:
             seconds: dict[str, list[float]] = {"base": [], "working": []}
+            moved: dict[str, list[int]] = {"base": [], "working": []}
             for repeat in range(args.repeats):
                 order = ["base", "working"] if repeat % 2 == 0 else ["working", "base"]
                 for side in order:
                     root, imports = sides[side]
-                    seconds[side].append(run_once(workload, args, root, imports, scratch))
-                    log(f"{workload} {side} run {repeat + 1}: {seconds[side][-1]:.3f} s")
+                    step_seconds, step_bytes = run_once(workload, args, root, imports, scratch)
+                    seconds[side].append(step_seconds)
+                    moved[side].append(step_bytes)
+                    log(f"{workload} {side} run {repeat + 1}: {step_seconds:.3f} s, {step_bytes} bytes")
             results[workload] = {
                 "base_s": spread(seconds["base"]),
                 "working_s": spread(seconds["working"]),
+                "base_bytes_moved": moved["base"],
+                "working_bytes_moved": moved["working"],
                 "working_over_base": round(
                     statistics.median(seconds["working"]) / statistics.median(seconds["base"]), 3
                 ),
             }
-        document = {
-            **metadata(scratch, base=base, repeats=args.repeats),
-            "update": {
-                "state": format_size(args.state),
-                "budget": format_size(args.budget),
-                "numel": args.numel,
-            },
-            "results": results,
-        }
-    text = json.dumps(document, indent=2)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
-    print(text)
-    return 0
+    return {
+        **metadata(scratch, base=base, repeats=args.repeats),
+        "update": {"state": format_size(args.state), "budget": format_size(args.budget), "numel": args.numel},
+        "results": results,
+    }
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from ..buffers import AlignedBuffer, BufferPool
+from ..buffers import AlignedBuffer
 from ..errors import CapacityError, ChecksumError
+from ..staging import StagingArea
 from ..tier import Placement
 from .layout import Committed, Item, ObjectTable
 from .staging import WAIT_SECONDS
@@ -38,7 +39,9 @@ Layout = list[tuple[int, str, int]]
 class Drainer:
     """Drains and applies retention for one writer, in submission order."""
 
-    def __init__(self, tiers: Sequence[CheckpointTier], keep: Sequence[int | None], pool: BufferPool) -> None:
+    def __init__(
+        self, tiers: Sequence[CheckpointTier], keep: Sequence[int | None], pool: StagingArea
+    ) -> None:
         self.tiers = list(tiers)
         self.keep = list(keep)
         self.pool = pool

@@ -1,6 +1,6 @@
 """Copying a save's tensors into a bounded DRAM budget and writing them to the fast tier.
 
-:class:`Staging` copies each item into buffers of the writer's :class:`~tierstore.BufferPool`
+:class:`Staging` copies each item into buffers of the writer's :class:`~tierstore.StagingArea`
 (page-aligned, so the nvme backend writes them with O_DIRECT as they are; pinned where CUDA
 exists, so device copies are asynchronous DMA) and writes every filled buffer as one data object.
 The pool is the budget: when it is full, staging waits for a write to end and reuses its buffer,
@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..buffers import AlignedBuffer, BufferPool
+from ..buffers import AlignedBuffer
 from ..dtypes import dtype_name
 from ..errors import BufferMismatchError, ConfigError
+from ..staging import StagingArea
 from ..store import TierStore
 from ..tier import Placement
 from .layout import Item, ObjectTable
@@ -83,7 +84,7 @@ class Staging:
     """The items of one save on their way to the fast tier (see the module docstring)."""
 
     def __init__(
-        self, tier: CheckpointTier, pool: BufferPool, *, pack_below: int, write_at_once: bool
+        self, tier: CheckpointTier, pool: StagingArea, *, pack_below: int, write_at_once: bool
     ) -> None:
         self.tier = tier
         self.pool = pool

@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..buffers import BufferPool
 from ..config import ConfigSource, load_config
 from ..errors import BufferMismatchError, ConfigError, InvalidKeyError
+from ..memory import MemoryLedger
+from ..staging import StagingArea
 from .drain import Drainer
 from .layout import SCHEME, checkpoint_name, is_checkpoint_id
 from .staging import WAIT_SECONDS, Staging, object_bytes
@@ -70,7 +71,10 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
             for tier in self._tiers:
                 tier.close()
             raise
-        self._pool = BufferPool(int(settings.cache.budget), resident=True)
+        self._memory = StagingArea(
+            MemoryLedger(settings.memory_budget), "checkpoint", int(settings.cache.budget), resident=True
+        )
+        """The staging memory of saves and drains: the config's ``cache.budget``."""
         self._pack_below = int(settings.cache.pack_below)
         self._name: str | None = None
         self._save_id = uuid.uuid4().hex
@@ -116,7 +120,9 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
         keys: list[Hashable] = []
         try:
             if staging is None:
-                staging = Staging(self._tiers[0], self._pool, pack_below=self._pack_below, write_at_once=True)
+                staging = Staging(
+                    self._tiers[0], self._memory, pack_below=self._pack_below, write_at_once=True
+                )
                 for item in plan.items:
                     staging.add(item.index, planner.resolve_data(item))
                     keys.append(item.index)
@@ -185,7 +191,7 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
                     break
                 self._lock.wait(WAIT_SECONDS)
         flat, mappings = flatten_state_dict(state_dict)
-        staging = Staging(self._tiers[0], self._pool, pack_below=self._pack_below, write_at_once=False)
+        staging = Staging(self._tiers[0], self._memory, pack_below=self._pack_below, write_at_once=False)
         planned: dict[str, Any] = {}
         try:
             with torch.no_grad():
@@ -242,11 +248,11 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
                 self._staged.abandon()
                 self._staged = None
         super().close()
-        self._pool.clear()
+        self._memory.close()
 
     # -- internals --------------------------------------------------------------------------------
     def _start_drainer(self) -> Drainer:
-        drainer = Drainer(self._tiers, self._keep, self._pool)
+        drainer = Drainer(self._tiers, self._keep, self._memory)
         for name in drainer.pending():
             drainer.submit(name)
         return drainer
