@@ -90,8 +90,28 @@ class ObjectInfo:
 class TierStore(Closeable):
     """A tiered tensor store (see the module docstring for the contract).
 
-    ``tiers`` are tried in order for each object leaving the cache: it goes to the first with room.
-    The store takes ownership of the tiers' backends and closes them in :meth:`close`.
+    Args:
+        tiers: where objects live beyond DRAM, fastest first (a :class:`Tier`, or a bare
+            :class:`Backend` made a tier of one path); each object goes to the first with room.
+            The store owns them and closes them in :meth:`close`.
+        cache_budget: bytes of the DRAM write-back cache; 0 for none (callers that stage their
+            own DRAM, the training workloads, lose nothing by it).
+        policy: ``"write-back"`` (a put is durable once written back) or ``"write-through"``
+            (once its future resolves).
+        cache_reads: whether a read that misses the cache fills it (False: reads go straight to
+            the destination).
+        workers: threads running operations; operations on one key always run in call order.
+        manifest: a directory for the journal that makes the store persistent; None for scratch
+            space, whose objects :meth:`close` deletes.
+        verify: checksum verification on reads: ``"always"``, ``"sampled"`` (one read in 16) or
+            ``"off"``.
+        memory_budget: bytes of host memory all the store's workloads may reserve together (the
+            cache's budget included; see :attr:`memory`); None counts without a limit.
+        pack_below: objects smaller than this are written back together in pack objects.
+
+    Raises:
+        ConfigError: an argument of the wrong type or out of range, named in the message.
+        ManifestError, StoreLockedError: ``manifest`` is damaged, or open in another process.
 
     A facade: the tier chain (:mod:`.chain`: placement, failover, verified reads, garbage), the
     commit protocol (:mod:`.catalog`) and, when ``cache_budget`` is above 0, the write-back cache
@@ -171,7 +191,19 @@ class TierStore(Closeable):
 
     @classmethod
     def from_config(cls, config: ConfigSource | None = None) -> TierStore:
-        """Open every tier's backend from a config document (default: the embedded one)."""
+        """A store opened from a config document (see the configuration reference).
+
+        Args:
+            config: a :class:`StoreConfig`, a mapping, or the path of a ``.toml`` or ``.json``
+                file; None for the embedded default (one nvme tier under ``./tierstore-data``).
+
+        Returns:
+            The store, owning every tier's backend.
+
+        Raises:
+            ConfigError: the document is invalid (the message names the key), or a backend
+                cannot be opened as configured.
+        """
         settings = load_config(default_config() if config is None else config)
         tiers: list[Tier] = []
         try:
@@ -197,10 +229,22 @@ class TierStore(Closeable):
         resident: bool = False,
         pool_bytes: int | None = None,
     ) -> StagingArea:
-        """DRAM for a workload to stage tensors through, its ``budget`` reserved from
-        :attr:`memory` until the area is closed (see :class:`~tierstore.staging.StagingArea`,
-        which says what ``owner``, ``pin``, ``resident`` and ``pool_bytes`` mean). Raises
-        :class:`CapacityError` if the budget does not fit beside the other workloads'."""
+        """DRAM for a workload to stage tensors through (see :class:`~tierstore.staging.StagingArea`).
+
+        Args:
+            owner: who holds the memory, as :meth:`stats` reports it.
+            budget: bytes reserved from :attr:`memory` until the area is closed.
+            pin: page-lock the buffers for asynchronous CUDA copies; default where CUDA exists.
+            resident: keep freed pages for reuse instead of returning them to the kernel.
+            pool_bytes: the most the area's buffers hold, if less than ``budget`` (the owner
+                holds buffers of its own under the same budget).
+
+        Returns:
+            The staging area; close it to give the budget back.
+
+        Raises:
+            CapacityError: the budget does not fit beside the other workloads' reservations.
+        """
         self._check_open()
         return StagingArea(self.memory, owner, budget, pin=pin, resident=resident, pool_bytes=pool_bytes)
 
@@ -208,14 +252,27 @@ class TierStore(Closeable):
     def put(
         self, key: str, tensor: torch.Tensor, *, cache: bool = True, scratch: bool = False
     ) -> Future[None]:
-        """Store ``tensor`` (any dtype, shape, layout or device) under ``key``.
+        """Store ``tensor`` under ``key``; the tensor is borrowed until the future resolves (do
+        not modify it before then).
 
-        The tensor is borrowed until the future resolves; do not modify it before then.
-        ``cache=False`` is a hint from a caller that manages its own DRAM (the offloaded
-        optimizer): the object goes straight to a tier from the tensor's memory, and any cached
-        copy of the previous version is dropped. ``scratch=True`` marks an object written once,
-        read once and deleted (a spilled activation): it skips the cache like ``cache=False`` and
-        is never journaled, so a persistent store forgets it (and collects it) at the next open.
+        Args:
+            key: the object's name (see :func:`~tierstore.namespaces.check_key` for the rules).
+            tensor: any dtype, shape, strides or device; dense (strided) memory only.
+            cache: False for a caller that manages its own DRAM (the offloaded optimizer): the
+                object goes straight to a tier from the tensor's memory, and any cached copy of
+                the previous version is dropped.
+            scratch: an object written once, read once and deleted (a spilled activation): it
+                skips the cache and is never journaled, so a persistent store forgets it (and
+                collects it) at the next open.
+
+        Returns:
+            A future that resolves once the object is committed (durable on a tier for a
+            write-through or bypassing put, in the cache otherwise).
+
+        Raises:
+            InvalidKeyError: a bad key. BufferMismatchError: not a tensor, or one without plain
+            memory (nested, quantized, sparse, meta). StoreClosedError: the store is closed.
+            Through the future: BackendIOError or CapacityError when no tier can take it.
         """
         self._check_open()
         check_key(key)
@@ -225,10 +282,23 @@ class TierStore(Closeable):
         return self._serial.submit(key, self._put, key, tensor.detach(), cache and not scratch, scratch)
 
     def get(self, key: str, out: torch.Tensor | None = None, *, cache: bool = True) -> Future[torch.Tensor]:
-        """Read ``key``; into ``out`` (same shape and dtype, any device/strides) if given.
+        """Read ``key``, after the operations already issued on it.
 
-        The future's result is ``out``, or a new CPU tensor. ``cache=False``: a copy already in
-        the cache is still used, but a miss reads straight into the destination without caching.
+        Args:
+            key: a committed key, or one whose put is pending.
+            out: where to read to: the object's shape and dtype, any device and strides; None for
+                a new CPU tensor.
+            cache: False to read a miss straight into the destination without caching it (a copy
+                already in the cache is still used).
+
+        Returns:
+            A future of ``out``, or of the new tensor.
+
+        Raises:
+            KeyNotFoundError: no such key. BufferMismatchError: ``out`` does not match the
+            object, or its elements share memory. Through the future: ChecksumError (naming the
+            key, path and backend object) when the bytes read are not the bytes written,
+            BackendIOError when no copy can be read.
         """
         self._check_open()
         self._check_known(key)
@@ -243,9 +313,17 @@ class TierStore(Closeable):
         return self._serial.submit(key, self._get, key, out, cache)
 
     def prefetch(self, keys: Iterable[str]) -> Future[None]:
-        """Load ``keys`` into the DRAM cache in the background; resolves when all are cached.
+        """Load ``keys`` into the DRAM cache in the background.
 
-        Objects larger than the whole cache budget raise :class:`CapacityError` through the future.
+        Args:
+            keys: committed keys (an iterable; a single ``str`` is refused).
+
+        Returns:
+            A future that resolves once every object is cached.
+
+        Raises:
+            InvalidKeyError, KeyNotFoundError: a bad or unknown key, before anything is loaded.
+            Through the future: CapacityError for an object larger than the whole cache budget.
         """
         self._check_open()
         if isinstance(keys, str) or not isinstance(keys, Iterable):  # a str is one key per character
@@ -258,17 +336,25 @@ class TierStore(Closeable):
 
     # -- public API: blocking ---------------------------------------------------------------------
     def delete(self, key: str) -> None:
-        """Remove ``key`` after the operations already issued on it; frees its cache and tier space."""
+        """Remove ``key`` after the operations already issued on it, freeing its cache and tier
+        space.
+
+        Raises:
+            KeyNotFoundError: no such key.
+        """
         self._check_open()
         self._check_known(key)
         self._serial.submit(key, self._delete, key).result()
 
     def flush(self) -> None:
-        """Write every dirty cached object to its tier; raises if any write-back failed.
+        """Write every dirty cached object to its tier and wait.
 
         Objects smaller than ``pack_below`` go in packs: one backend object of up to
         :data:`~tierstore.cache.PACK_BYTES` per batch, each object's record pointing into it.
         Covers puts whose futures have resolved; wait for pending puts first to include them.
+
+        Raises:
+            BackendIOError: a write-back failed (the objects stay dirty in the cache).
         """
         self._check_open()
         if self._cache is not None:
@@ -284,8 +370,18 @@ class TierStore(Closeable):
         the checksums are carried over: an optimizer's state checkpointed into a store in the
         checkpoint's folder, and back at resume, in the time of a few metadata operations.
         Otherwise the object is read and put, one at a time. Blocks until every key is
-        committed. Bad input (another type, this store, an unknown key) is refused before any
-        copy; an I/O failure leaves the keys done so far committed and raises."""
+        committed.
+
+        Args:
+            destination: another open store.
+            keys: the keys to copy; None for every committed key.
+
+        Raises:
+            ConfigError: ``destination`` is not a TierStore, or is this store.
+            InvalidKeyError, KeyNotFoundError: a bad or unknown key (all are checked before the
+            first is copied). BackendIOError: an I/O failure (the keys copied so far stay
+            committed).
+        """
         self._check_open()
         if not isinstance(destination, TierStore):
             raise ConfigError(f"copy_to: destination must be a TierStore, not {type(destination).__name__}")
@@ -328,8 +424,11 @@ class TierStore(Closeable):
         return self._catalog.keys()
 
     def info(self, key: str) -> ObjectInfo:
-        """What the store knows about ``key`` now (raises :class:`KeyNotFoundError` if it has no
-        committed object)."""
+        """What the store knows about ``key`` now (a snapshot).
+
+        Raises:
+            KeyNotFoundError: ``key`` has no committed object.
+        """
         self._check_open()
         cached, dirty = (False, False) if self._cache is None else self._cache.state(key)
         record = self._catalog.record(key)
@@ -347,9 +446,14 @@ class TierStore(Closeable):
         )
 
     def stats(self) -> dict[str, Any]:
-        """Counters: cache hits/misses/evictions/write-backs, cache bytes, per-tier bytes moved.
+        """Counters and byte figures, still readable after :meth:`close` for a final report.
 
-        Still readable after :meth:`close`, for a final report."""
+        Returns:
+            ``hits``, ``misses``, ``evictions``, ``writebacks``, ``cache_budget_bytes``,
+            ``cache_bytes``, ``peak_cache_bytes`` (zeros for a store without a cache),
+            ``memory`` (the ledger's budget and each owner's reservation) and ``tiers`` (per
+            tier and path: bytes and requests moved, bandwidth estimates).
+        """
         return {
             **(_NO_CACHE_STATS if self._cache is None else self._cache.stats()),
             "memory": {"budget_bytes": self.memory.capacity, "reserved_bytes": self.memory.held()},
