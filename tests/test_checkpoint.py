@@ -30,14 +30,15 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from tierstore import (
-    BufferPool,
     CheckpointNotFoundError,
     ChecksumError,
     ConfigError,
     InvalidKeyError,
+    StagingArea,
     TierStore,
 )
 from tierstore.config import load_config
+from tierstore.memory import MemoryLedger
 
 from . import checkpoint_worker as worker
 
@@ -298,7 +299,7 @@ def test_store_objects_are_linked_into_the_checkpoint_and_loaded_back(tmp_path: 
 def test_async_staging_holds_its_budget_and_writes_only_planned_items(tmp_path: Path) -> None:
     settings = config(tmp_path)
     (tier, slow) = open_tiers(load_config(settings), capacity=True)
-    pool = BufferPool(64 << 10)
+    pool = StagingArea(MemoryLedger(None), "checkpoint", 64 << 10)
     try:
         staging = Staging(tier, pool, pack_below=4096, write_at_once=False)
         staging.add("fits", torch.arange(2000, dtype=torch.int32))  # 8000 bytes: stays in DRAM
@@ -318,7 +319,7 @@ def test_async_staging_holds_its_budget_and_writes_only_planned_items(tmp_path: 
     finally:
         tier.close()
         slow.close()
-        pool.clear()
+        pool.close()
 
 
 # -- errors -----------------------------------------------------------------------------------------

@@ -295,10 +295,11 @@ class TierStore(Closeable):
             A future of ``out``, or of the new tensor.
 
         Raises:
-            KeyNotFoundError: no such key. BufferMismatchError: ``out`` does not match the
-            object, or its elements share memory. Through the future: ChecksumError (naming the
-            key, path and backend object) when the bytes read are not the bytes written,
-            BackendIOError when no copy can be read.
+            KeyNotFoundError: no such key.
+            BufferMismatchError: ``out`` does not match the object, or its elements share memory.
+            ChecksumError: (through the future) the bytes read are not the bytes written; it
+                names the key, path and backend object.
+            BackendIOError: (through the future) no copy can be read.
         """
         self._check_open()
         self._check_known(key)
@@ -378,9 +379,9 @@ class TierStore(Closeable):
 
         Raises:
             ConfigError: ``destination`` is not a TierStore, or is this store.
-            InvalidKeyError, KeyNotFoundError: a bad or unknown key (all are checked before the
-            first is copied). BackendIOError: an I/O failure (the keys copied so far stay
-            committed).
+            InvalidKeyError: a bad key (all keys are checked before the first is copied).
+            KeyNotFoundError: an unknown key (checked likewise, before anything is copied).
+            BackendIOError: an I/O failure (the keys copied so far stay committed).
         """
         self._check_open()
         if not isinstance(destination, TierStore):
