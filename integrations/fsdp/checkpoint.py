@@ -1,0 +1,329 @@
+"""torch.distributed.checkpoint (DCP) for an FSDP2 model and its :class:`FSDPOffloadedAdamW`, with the
+optimizer state streamed between the store and the checkpoint a piece at a time.
+
+:func:`save` and :func:`load` are the two lines a training script calls::
+
+    tierstore.integrations.fsdp.save(checkpoint_dir, model, optimizer)
+    tierstore.integrations.fsdp.load(checkpoint_dir, model, optimizer)
+
+They use ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict``, so the
+checkpoint is a plain DCP checkpoint: the optimizer's entries are ``DTensor``s sharded like the
+parameters, and a checkpoint saved on N ranks loads on M (DCP reshards it). What differs from
+``dcp.save(get_state_dict(...))`` is memory: the optimizer's entries are placeholders (no memory of
+their own) that :class:`StreamingSavePlanner` fills when DCP writes each of them, reading the
+sub-groups that hold it from the store, and :class:`StreamingLoadPlanner` writes each chunk DCP reads
+straight into the sub-groups in the store. At most one sub-group and one parameter's local shard
+of state are in memory beyond the optimizer's DRAM budget, whatever the state's size.
+
+Plain ``get_state_dict`` / ``set_state_dict`` with ``dcp.save`` / ``dcp.load`` work too; they hold this
+rank's whole state in memory while saving or loading, as torch's own optimizers do.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from tierstore.optimizer import SubGroup
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
+
+from tierstore.buffers import aligned_tensor
+
+from .optimizer import FSDPOffloadedAdamW, by_position, like_parameter, local_shard
+
+
+class _Placeholder:
+    """Which state a placeholder tensor stands for: part ``part`` of parameter ``param``."""
+
+    __slots__ = ("param", "part")
+
+    def __init__(self, param: int, part: str) -> None:
+        self.param = param
+        self.part = part
+
+
+class StateStream:
+    """The optimizer's state as DCP sees it during :func:`save` / :func:`load`: placeholder entries
+    (stride-0 tensors of the right shape and dtype, one fp32 value each) and the just-in-time copy
+    of one parameter's part between the store and a DCP buffer.
+
+    Args:
+        optimizer: the optimizer whose store holds the state; its kept sub-groups are written to
+            the store first (saving) or forgotten (loading, which rewrites the store).
+    """
+
+    def __init__(self, optimizer: FSDPOffloadedAdamW) -> None:
+        self.optimizer = optimizer
+        self.placeholders: dict[int, _Placeholder] = {}
+        """By the placeholder's local tensor's data pointer (DCP hands back views of it)."""
+        self._pieces: dict[int, list[tuple[SubGroup, Any]]] = {}
+        for sg in optimizer.subgroups:
+            for piece in sg.pieces:
+                self._pieces.setdefault(piece.param, []).append((sg, piece))
+        optimizer._check_open()
+        optimizer.stager.flush()  # the store holds the whole state; the DRAM copies are let go so
+        optimizer.stager.drop_resident()  # that a load rewriting the store leaves none stale
+        self._memory = aligned_tensor(
+            max((optimizer.state_numel(sg) for sg in optimizer.subgroups), default=1)
+        )
+        """The one sub-group's state read from the store (reused: no allocation per sub-group)."""
+        self._held: tuple[int, torch.Tensor] | None = None
+        """The index of the sub-group in :attr:`_memory`, and its state there."""
+        self._dirty = False
+        self._lock = threading.Lock()
+        self.bytes_moved = 0
+
+    # -- the state dict ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()`` with every state part a placeholder."""
+        optimizer = self.optimizer
+        state: dict[int, dict[str, Any]] = {}
+        number = 0
+        for group, params in enumerate(optimizer.param_groups):
+            parts = optimizer._parts(SubGroup(0, group, 0, ()))
+            for param in params["params"]:
+                entry: dict[str, Any] = {"step": torch.tensor(float(optimizer.param_steps[number]))}
+                for part in parts:
+                    entry[part] = self._placeholder(number, part, param)
+                state[number] = entry
+                number += 1
+        return {
+            "state": state,
+            "param_groups": optimizer._state_dict_groups(),
+            "step_count": optimizer.step_count,
+            "skipped_steps": optimizer.skipped_steps,
+        }
+
+    def _placeholder(self, number: int, part: str, param: torch.Tensor) -> torch.Tensor:
+        local = torch.zeros((), dtype=torch.float32).expand(local_shard(param).shape)
+        self.placeholders[local.data_ptr()] = _Placeholder(number, part)
+        return like_parameter(param, local)
+
+    def which(self, tensor: torch.Tensor) -> _Placeholder | None:
+        """The placeholder ``tensor`` (or a view of it) stands for, or None for real data."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        if tensor.numel() and tensor.stride() and min(tensor.stride()) != 0:
+            return None
+        return self.placeholders.get(tensor.data_ptr())
+
+    # -- just-in-time copies -------------------------------------------------------------------------
+    def read(self, placeholder: _Placeholder, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (flat, the parameter's local numel) with the part's values from the store."""
+        with self._lock:
+            for sg, piece in self._pieces.get(placeholder.param, []):
+                row = self._row(sg, placeholder.part)
+                out[piece.param_offset : piece.param_offset + piece.length].copy_(
+                    row[piece.offset : piece.offset + piece.length]
+                )
+                self.bytes_moved += 4 * piece.length
+        return out
+
+    def write(self, placeholder: _Placeholder, flat_offset: int, values: torch.Tensor) -> None:
+        """Write ``values`` (flat) at ``flat_offset`` of the part's local shard into the store."""
+        end = flat_offset + values.numel()
+        with self._lock:
+            for sg, piece in self._pieces.get(placeholder.param, []):
+                start = max(flat_offset, piece.param_offset)
+                stop = min(end, piece.param_offset + piece.length)
+                if start >= stop:
+                    continue
+                row = self._row(sg, placeholder.part)
+                at = piece.offset + start - piece.param_offset
+                row[at : at + stop - start].copy_(values[start - flat_offset : stop - flat_offset])
+                self._dirty = True
+                self.bytes_moved += 4 * (stop - start)
+
+    def _row(self, sg: SubGroup, part: str) -> torch.Tensor:
+        """The part's row of sub-group ``sg``, the sub-group read from the store if it is not the
+        one held (the held one written back first if it changed)."""
+        if self._held is None or self._held[0] != sg.index:
+            self._release()
+            numel = self.optimizer.state_numel(sg)
+            key = self.optimizer.stager.key(sg.index)
+            state = self.optimizer.store.get(key, out=self._memory[:numel], cache=False).result()
+            self._held = (sg.index, state)
+        return self.optimizer._rows(sg, self._held[1])[part]
+
+    def _release(self) -> None:
+        if self._held is not None and self._dirty:
+            index, state = self._held
+            self.optimizer.store.put(self.optimizer.stager.key(index), state, cache=False).result()
+        self._held, self._dirty = None, False
+
+    def finish(self) -> None:
+        """Write the held sub-group back if a load changed it, and let it go."""
+        with self._lock:
+            self._release()
+
+
+class StreamingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, resolving the optimizer's placeholders from the store when the
+    storage writer asks for each (one parameter's local part at a time, into a buffer reused for
+    every item, so the writer's references to written tensors pin no memory)."""
+
+    def __init__(self, stream: StateStream, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stream = stream
+        self._buffers = threading.local()
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        found = self.lookup_object(write_item.index)
+        placeholder = self.stream.which(found) if isinstance(found, torch.Tensor) else None
+        if placeholder is None:
+            return self.transform_object(write_item, found)
+        numel = found.numel()
+        return self.stream.read(placeholder, self._buffer(numel)).view(found.shape)
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        """A tensor of exactly ``numel`` fp32 values over this thread's one reused allocation."""
+        memory: bytearray | None = getattr(self._buffers, "memory", None)
+        if memory is None or len(memory) < 4 * numel:
+            memory = self._buffers.memory = bytearray(4 * max(numel, 1))
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)
+        return torch.frombuffer(memoryview(memory)[: 4 * numel], dtype=torch.float32)
+
+
+class StreamingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, writing each chunk read for an optimizer placeholder into the
+    store (through a buffer of that chunk's size) instead of into a tensor of the state dict."""
+
+    def __init__(self, stream: StateStream, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stream = stream
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        found = self.lookup_tensor(read_item.dest_index)
+        if self.stream.which(found) is None:
+            return self.transform_tensor(read_item, found)
+        return torch.empty(tuple(read_item.lengths), dtype=torch.float32)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        found = self.lookup_tensor(read_item.dest_index)
+        placeholder = self.stream.which(found)
+        if placeholder is None:
+            return
+        shape = tuple(found.shape)
+        offsets, lengths = list(read_item.dest_offsets), list(read_item.lengths)
+        for start, flat in _flat_runs(shape, offsets, lengths):
+            self.stream.write(placeholder, start, tensor.reshape(-1)[flat])
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        found = super().lookup_tensor(index)
+        return found._local_tensor if isinstance(found, DTensor) else found
+
+
+def _flat_runs(shape: tuple[int, ...], offsets: list[int], lengths: list[int]) -> Iterator[tuple[int, slice]]:
+    """The box ``offsets``/``lengths`` of a C-contiguous tensor of ``shape`` as runs of consecutive
+    elements: (flat start in the tensor, slice of the box's own flat elements)."""
+    if not shape:
+        yield 0, slice(0, 1)
+        return
+    # Trailing dimensions the box covers whole merge into its innermost run.
+    inner = len(shape) - 1
+    while inner > 0 and offsets[inner] == 0 and lengths[inner] == shape[inner]:
+        inner -= 1
+    run = 1
+    for dim in range(inner, len(shape)):
+        run *= lengths[dim]
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    outer = lengths[:inner]
+    count = 0
+    for index in _ndindex(outer):
+        start = (
+            sum((offsets[d] + index[d]) * strides[d] for d in range(inner)) + offsets[inner] * strides[inner]
+        )
+        yield start, slice(count, count + run)
+        count += run
+
+
+def _ndindex(lengths: list[int]) -> Iterator[tuple[int, ...]]:
+    if not lengths:
+        yield ()
+        return
+    for first in range(lengths[0]):
+        for rest in _ndindex(lengths[1:]):
+            yield (first, *rest)
+
+
+@contextmanager
+def _replaced(optimizer: FSDPOffloadedAdamW, **methods: Any) -> Iterator[None]:
+    """The optimizer's methods named by ``methods`` replaced, on this instance, for the duration."""
+    for name, method in methods.items():
+        setattr(optimizer, name, method)
+    try:
+        yield
+    finally:
+        for name in methods:
+            delattr(optimizer, name)
+
+
+def save(
+    checkpoint_id: str | os.PathLike[str], model: nn.Module, optimizer: FSDPOffloadedAdamW, **extra: Any
+) -> dict[str, int]:
+    """Save ``model`` and ``optimizer`` as one DCP checkpoint in ``checkpoint_id`` (a directory every
+    rank can reach), the optimizer state streamed from the store; every rank calls it. ``extra``
+    entries (plain values or tensors: a step counter, a data loader position) are saved beside.
+    Returns ``{"optimizer_bytes": ...}``: the state bytes this rank copied out of the store."""
+    stream = StateStream(optimizer)
+    with _replaced(optimizer, state_dict=stream.state_dict):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp_save(
+            {"model": model_state, "optimizer": optimizer_state, **extra},
+            checkpoint_id=checkpoint_id,
+            planner=StreamingSavePlanner(stream),
+        )
+    stream.finish()
+    return {"optimizer_bytes": stream.bytes_moved}
+
+
+def load(
+    checkpoint_id: str | os.PathLike[str], model: nn.Module, optimizer: FSDPOffloadedAdamW, **extra: Any
+) -> dict[str, Any]:
+    """Load a :func:`save` (or any DCP checkpoint of ``get_state_dict``'s ``model``/``optimizer``
+    layout) into ``model`` and ``optimizer``, on any number of ranks; the optimizer state is
+    streamed into the store. ``extra``: entries to read back too, each given as a template (a
+    tensor of the saved shape); returns them loaded, with ``"optimizer_bytes"`` (state bytes this
+    rank wrote into the store)."""
+    stream = StateStream(optimizer)
+    with _replaced(optimizer, state_dict=stream.state_dict, load_state_dict=_restore_counts(optimizer)):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, **extra}
+        dcp_load(state, checkpoint_id=checkpoint_id, planner=StreamingLoadPlanner(stream))
+        stream.finish()  # the last sub-group written back: the store holds the loaded state
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if not optimizer.fp32_shards:  # the model follows the restored masters
+        for sg in optimizer.subgroups:
+            for piece, values in optimizer._master_views(sg, optimizer.stager.read(sg.index)):
+                optimizer._copy_to_model(piece, values)
+    return {**{k: state[k] for k in extra}, "optimizer_bytes": stream.bytes_moved}
+
+
+def _restore_counts(optimizer: FSDPOffloadedAdamW) -> Any:
+    """A ``load_state_dict`` for :func:`load`: the state parts are in the store already (streamed),
+    so only the hyper-parameters and step counts are taken from the dict."""
+
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        state_dict = by_position(state_dict)
+        optimizer._restore_groups(state_dict["param_groups"])
+        state = state_dict["state"]
+        entries = [state.get(i, state.get(str(i))) for i in range(len(optimizer.params))]
+        optimizer.param_steps = [0 if e is None else int(e.get("step", 0)) for e in entries]
+        optimizer.step_count = int(state_dict.get("step_count", max(optimizer.param_steps, default=0)))
+        optimizer.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    return load_state_dict

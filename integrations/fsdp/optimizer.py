@@ -1,0 +1,440 @@
+"""AdamW over FSDP2-sharded parameters, each rank staging its own local shards through a TierStore.
+
+``torch.distributed.fsdp.fully_shard`` turns every parameter into a ``DTensor`` sharded by rows
+(``Shard(0)``) over a 1-D device mesh: each rank holds a contiguous block of rows, its *local
+shard*. :class:`FSDPOffloadedAdamW` is :class:`~tierstore.optimizer.OffloadedAdamW` whose
+sub-groups are cut from those local shards, so a rank reads and writes the state of its own shards
+only, under its own namespace (``rank<N>/adamw`` by default). Two layouts, chosen from the shards'
+dtype:
+
+* low-precision shards (a model built in bf16 before ``fully_shard``): each sub-group's object is
+  ``fp32 master | exp_avg | exp_avg_sq``, 12 bytes per parameter in the store; the shard keeps its
+  2 bytes per parameter in memory and receives the new master weights after each step;
+* fp32 shards (the usual ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` setup, whose sharded
+  parameters stay fp32): the shard itself is the master, so the object is ``exp_avg | exp_avg_sq``,
+  8 bytes per parameter in the store, and the kernel updates the shard in place.
+
+Parameters that are not ``DTensor``s (modules left out of ``fully_shard``) are replicated: every rank
+stages their whole state, and gradient clipping counts them once (their squared norm averaged over
+the ranks). Gradient clipping (``max_grad_norm``) takes one all-reduce of the squared norm; torch's
+``clip_grad_norm_`` on the ``DTensor`` gradients works as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tierstore.optimizer import OffloadedAdamW, Piece, SubGroup
+from tierstore.optimizer.adamw import STATE_PARTS
+from tierstore.optimizer.options import CachePolicy
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tierstore.errors import BufferMismatchError, ConfigError
+from tierstore.store import TierStore
+
+
+class FSDPSetupError(ConfigError):
+    """A model or optimizer setup that the FSDP2 integration cannot step exactly (the message names
+    the parameter or policy and what to do instead)."""
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The part of ``param`` this rank holds: a ``DTensor``'s local tensor (sharing its memory, so
+    writes into it update the parameter), or a plain tensor itself."""
+    if isinstance(param, DTensor):
+        return param._local_tensor
+    return param
+
+
+def check_fsdp_model(model: nn.Module) -> None:
+    """Refuse an FSDP2 setup this integration does not support, with an :class:`FSDPSetupError`
+    naming the module: ``CPUOffloadPolicy`` moves the sharded parameters and their gradients to host
+    memory and leaves the optimizer step to run there on FSDP's copies; tierstore offloads the
+    optimizer state only (beyond RAM) and needs the parameters where FSDP computes with them.
+    ``model`` is the module ``fully_shard`` was applied to (any of its sub-modules may be sharded
+    too)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
+            raise FSDPSetupError(
+                f"module {name or '<root>'!r} is sharded with "
+                "fully_shard(offload_policy=CPUOffloadPolicy()): "
+                "FSDP2 then keeps the sharded parameters and gradients in host memory for a CPU "
+                "optimizer step on its own copies; tierstore offloads the optimizer state (beyond RAM) "
+                "and leaves the parameters to FSDP: call fully_shard without offload_policy"
+            )
+
+
+class FSDPOffloadedAdamW(OffloadedAdamW):
+    """AdamW over the local shards of an FSDP2 model's ``DTensor`` parameters (see the module).
+
+    Args:
+        params: the model itself (its parameters, and :func:`check_fsdp_model` runs on it), or its
+            parameters or parameter groups as for ``torch.optim.AdamW``; call ``fully_shard`` first.
+        store: this rank's store (each rank opens its own, e.g. on its own directory).
+        namespace: the state's key prefix, claimed on the store; default ``rank<N>/adamw`` with
+            this rank's number, so ranks sharing one store never meet.
+        process_group: the group the gradient norm is summed over; default the parameters' mesh's.
+
+    The other arguments are :class:`~tierstore.optimizer.OffloadedAdamW`'s; ``dram_budget``
+    bounds this rank's fp32 DRAM for the state, ``sub_group_size`` counts local elements.
+
+    Raises :class:`FSDPSetupError` if no parameter is a ``DTensor`` (the model is not sharded), for
+    ``DTensor`` parameters sharded otherwise than by rows over a 1-D mesh (HSDP, tensor
+    parallelism), on different meshes, on a device other than the CPU, of mixed dtypes (some
+    shards fp32, some not), or a ``CPUOffloadPolicy`` model.
+    """
+
+    SHARDED_PARAMETERS = None
+
+    def __init__(
+        self,
+        params: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        store: TierStore,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        sub_group_size: int = 100_000_000,
+        max_grad_norm: float | None = None,
+        dram_budget: int | None = None,
+        prefetch_depth: int = 2,
+        cache_policy: CachePolicy = "model",
+        namespace: str | None = None,
+        compute_threads: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if isinstance(params, nn.Module):
+            check_fsdp_model(params)
+            params = params.parameters()
+        listed = list(params)
+        groups: list[dict[str, Any]] = (
+            [dict(group) for group in listed]  # type: ignore[call-overload]
+            if listed and isinstance(listed[0], dict)
+            else [{"params": listed}]
+        )
+        tensors: list[torch.Tensor] = []
+        for group in groups:
+            members = group["params"]
+            group["params"] = [members] if isinstance(members, torch.Tensor) else list(members)
+            tensors.extend(group["params"])
+        self.mesh = _common_mesh(tensors)
+        if self.mesh is None:
+            raise FSDPSetupError(
+                f"none of the {len(tensors)} parameters is a DTensor: the model is not sharded. Apply "
+                "torch.distributed.fsdp.fully_shard to it (and to its blocks) before building the "
+                "optimizer, or use tierstore.optimizer.OffloadedAdamW for an unsharded model"
+            )
+        self._fp32_shards = _shard_layout(tensors)
+        self.process_group = self.mesh.get_group() if process_group is None else process_group
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        super().__init__(
+            groups,
+            store,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            sub_group_size=sub_group_size,
+            max_grad_norm=max_grad_norm,
+            dram_budget=dram_budget,
+            prefetch_depth=prefetch_depth,
+            cache_policy=cache_policy,
+            namespace=f"rank{rank}/adamw" if namespace is None else namespace,
+            compute_threads=compute_threads,
+        )
+        self._params_added(len(self.params))
+
+    def _params_added(self, count: int) -> None:
+        # torch.distributed.checkpoint.state_dict takes an optimizer without per-parameter state
+        # for one never stepped and "initialises" it with a zero-gradient step (which would count
+        # a step); this one's state lives in the store from the start, which the entry says.
+        for param in self.params[len(self.params) - count :]:
+            self.state[param] = {"in_store": self.stager.namespace}
+
+    @property
+    def fp32_shards(self) -> bool:
+        """True if the shards are fp32 and are their own master weights (only the moments are
+        staged); False if the store holds fp32 masters for low-precision shards."""
+        return self._fp32_shards
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As :meth:`~tierstore.optimizer.StagedOptimizer.add_param_group`; the group's parameters
+        must be sharded like the others (same mesh, same shard dtype class)."""
+        if hasattr(self, "stager"):
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = params
+            mesh = _common_mesh([*self.params, *params])
+            if _shard_layout([*self.params, *params]) != self._fp32_shards or (
+                self.mesh is not None and mesh != self.mesh
+            ):
+                raise FSDPSetupError("the added group's parameters are sharded or typed unlike the others")
+        super().add_param_group(param_group)
+
+    # -- the engine's view of a parameter: its local shard ------------------------------------------
+    def _partition(self, first_group: int) -> list[SubGroup]:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        sizes = [
+            [(index[id(p)], local_shard(p).numel()) for p in group["params"]] if number >= first_group else []
+            for number, group in enumerate(self.param_groups)
+        ]
+        from tierstore.optimizer import partition
+
+        cut = partition(sizes, self.sub_group_size)
+        start = len(self.subgroups)
+        return [SubGroup(start + i, sg.group, sg.numel, sg.pieces) for i, sg in enumerate(cut)]
+
+    def _pieces_with_gradients(self, sg: SubGroup) -> Iterator[tuple[Piece, torch.Tensor]]:
+        for piece in sg.pieces:
+            grad = self.params[piece.param].grad
+            if grad is not None:
+                yield piece, local_shard(grad).view(-1)
+
+    def _copy_to_model(self, piece: Piece, master: torch.Tensor) -> None:
+        target = local_shard(self.params[piece.param].data).view(-1)
+        target[piece.param_offset : piece.param_offset + piece.length].copy_(master)
+
+    def _gradient_coefficient(self, grad_scale: float) -> float | None:
+        """As the engine's, with the squared norm summed over the ranks in one all-reduce: sharded
+        gradients count their local rows, replicated ones their squares averaged over the ranks."""
+        sharded, replicated = 0.0, 0.0
+        for param in self.params:
+            if param.grad is None:
+                continue
+            squares = self._squares(local_shard(param.grad))
+            if _is_sharded(param):
+                sharded += squares
+            else:
+                replicated += squares
+        world = dist.get_world_size(self.process_group)
+        squares = sharded + replicated
+        if world > 1:  # one all-reduce; replicated squares averaged so that they count once
+            total = torch.tensor([sharded + replicated / world], dtype=torch.float64)
+            dist.all_reduce(total, group=self.process_group)
+            squares = float(total[0])
+        norm = squares**0.5 / grad_scale
+        if not norm < float("inf"):  # inf or nan: skip the step on every rank alike
+            return None
+        coefficient = 1.0 / grad_scale
+        if self.max_grad_norm is not None:
+            coefficient *= min(1.0, self.max_grad_norm / (norm + 1e-6))  # as clip_grad_norm_
+        return coefficient
+
+    # -- the layout: masters in the store, or the fp32 shards as their own masters ---------------------
+    def _parts(self, sg: SubGroup) -> tuple[str, ...]:
+        parts = super()._parts(sg)
+        return tuple(p for p in parts if p != "master_param") if self._fp32_shards else parts
+
+    def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+        if not self._fp32_shards:
+            return super()._master_views(sg, state)
+        return [(piece, self._shard_window(piece)) for piece in sg.pieces]
+
+    def _shard_window(self, piece: Piece) -> torch.Tensor:
+        """The piece's elements of its parameter's local shard (a view: writes update the model)."""
+        flat = local_shard(self.params[piece.param].data).view(-1)
+        return flat[piece.param_offset : piece.param_offset + piece.length]
+
+    def _adamw(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
+        if not self._fp32_shards:
+            super()._adamw(sg, state, grads)
+            return
+        group = self.param_groups[sg.group]
+        rows = self._rows(sg, state)
+        windows: dict[str, list[torch.Tensor]] = {part: [] for part in rows}
+        masters, steps = [], []
+        for piece, _ in grads:
+            for part, row in rows.items():
+                windows[part].append(row[piece.offset : piece.offset + piece.length])
+            masters.append(self._shard_window(piece))
+            steps.append(torch.tensor(float(self.param_steps[piece.param])))
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(  # as OffloadedAdamW's kernel, the shard updated in place
+            masters,
+            [grad for _, grad in grads],
+            windows["exp_avg"],
+            windows["exp_avg_sq"],
+            windows.get("max_exp_avg_sq", []),
+            steps,
+            amsgrad=group["amsgrad"],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=None,
+            found_inf=None,
+        )
+
+    # -- state dicts: DTensors sharded like the parameters ------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`~tierstore.optimizer.StagedOptimizer.load_state_dict`, for a dict keyed as
+        ``torch.optim`` keys it or by whatever ids its groups list: the fully-qualified names that
+        ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes (each group's ``params``
+        give the order, as ``torch.optim.Optimizer.load_state_dict`` takes them)."""
+        super().load_state_dict(by_position(state_dict))
+
+    def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
+        for part, row in self._rows(sg, state).items():
+            for piece in sg.pieces:
+                window = row[piece.offset : piece.offset + piece.length]
+                source = slice(piece.param_offset, piece.param_offset + piece.length)
+                entry = None if saved is None else saved.get(piece.param, saved.get(str(piece.param)))
+                if entry is not None and part in entry:
+                    window.copy_(local_shard(entry[part]).detach().reshape(-1)[source])
+                elif part == "master_param":
+                    window.copy_(local_shard(self.params[piece.param].detach()).reshape(-1)[source])
+                else:
+                    window.zero_()
+
+    def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
+        super()._check_entries(entries)
+        for i, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
+            for name in STATE_PARTS:
+                if entry is None or name not in entry:
+                    continue
+                mine, theirs = local_shard(param).shape, local_shard(entry[name]).shape
+                if mine != theirs:
+                    raise BufferMismatchError(
+                        f"state of parameter {i}: {name}'s local shard has shape {tuple(theirs)}, the "
+                        f"parameter's {tuple(mine)} (load a DCP checkpoint through get_state_dict/"
+                        "set_state_dict, which reshards it)"
+                    )
+
+    def _state_entries(self) -> list[dict[str, Any]]:
+        """Per parameter, its state parts as fp32 tensors sharded like the parameter (``DTensor``s
+        over the same mesh and placements), gathered from the store: this rank's shards only."""
+        gathered: list[dict[str, Any]] = [{} for _ in self.params]
+        for sg in self.subgroups:
+            for part, row in self._rows(sg, self.stager.read(sg.index)).items():
+                for piece in sg.pieces:
+                    whole = gathered[piece.param].get(part)
+                    if whole is None:
+                        shape = local_shard(self.params[piece.param]).shape
+                        whole = gathered[piece.param][part] = torch.empty(shape, dtype=torch.float32)
+                    whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
+                        row[piece.offset : piece.offset + piece.length]
+                    )
+        number = 0
+        for group, params in enumerate(self.param_groups):
+            parts = self._parts(SubGroup(0, group, 0, ()))
+            for param in params["params"]:
+                entry = gathered[number]
+                for part in parts:  # an empty shard (fewer rows than ranks) has no pieces
+                    local = entry.get(part)
+                    if local is None:
+                        local = torch.empty(local_shard(param).shape, dtype=torch.float32)
+                    entry[part] = like_parameter(param, local)
+                number += 1
+        return gathered
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 master weights of this rank's shards, one tensor per parameter, sharded like it
+        (``DTensor``s for sharded parameters)."""
+        self._check_open()
+        masters = [torch.empty(local_shard(p).shape, dtype=torch.float32) for p in self.params]
+        for sg in self.subgroups:
+            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+                masters[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
+                    values
+                )
+        return [like_parameter(p, m) for p, m in zip(self.params, masters, strict=True)]
+
+
+def by_position(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its per-parameter entries keyed 0, 1, ... in the order its groups list
+    their parameters' ids (fully-qualified names from ``set_state_dict``, or indices)."""
+    ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    state = state_dict["state"]
+    return {
+        **state_dict,
+        "state": {number: state[pid] for number, pid in enumerate(ids) if pid in state},
+        "param_groups": [
+            {**group, "params": list(range(start, start + len(group["params"])))}
+            for group, start in zip(
+                state_dict["param_groups"],
+                _starts([len(g["params"]) for g in state_dict["param_groups"]]),
+                strict=True,
+            )
+        ],
+    }
+
+
+def _starts(counts: list[int]) -> list[int]:
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts
+
+
+def like_parameter(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's part) as a tensor sharded like ``param``: a ``DTensor`` with its mesh,
+    placements, global shape and stride for a ``DTensor`` parameter, else ``local`` itself."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    return isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+
+
+def _common_mesh(params: list[torch.Tensor]) -> Any:
+    """The one device mesh of the ``DTensor`` parameters (None if there are none); an
+    :class:`FSDPSetupError` for placements this integration does not step exactly."""
+    mesh = None
+    for number, param in enumerate(params):
+        if not isinstance(param, DTensor):
+            if param.device.type != "cpu":
+                raise FSDPSetupError(
+                    f"parameter {number} (shape {tuple(param.shape)}) is on {param.device}: the "
+                    "optimizer steps CPU parameters"
+                )
+            continue
+        where = f"parameter {number} (shape {tuple(param.shape)}, placements {param.placements})"
+        if param.device_mesh.ndim != 1 or not all(
+            isinstance(p, (Shard, Replicate)) for p in param.placements
+        ):
+            raise FSDPSetupError(
+                f"{where}: only fully_shard's row sharding over a 1-D mesh (Shard(0)) or replication "
+                "is supported, not HSDP or tensor-parallel placements"
+            )
+        if any(isinstance(p, Shard) and p.dim != 0 for p in param.placements):
+            raise FSDPSetupError(f"{where}: sharded along a dimension other than 0 (fully_shard's rows)")
+        if param.device.type != "cpu":
+            raise FSDPSetupError(f"{where}: on {param.device}; the optimizer steps CPU shards (gloo backend)")
+        if mesh is None:
+            mesh = param.device_mesh
+        elif param.device_mesh != mesh:
+            raise FSDPSetupError(f"{where}: on another device mesh than the first DTensor parameter")
+    return mesh
+
+
+def _shard_layout(params: list[torch.Tensor]) -> bool:
+    """True if every local shard is fp32 (its own master), False if none is; mixed is refused."""
+    kinds = {local_shard(p).dtype == torch.float32 for p in params}
+    if len(kinds) > 1:
+        raise FSDPSetupError(
+            "the parameters mix fp32 and low-precision shards: shard a model of one dtype (bf16 "
+            "parameters get fp32 masters in the store; fp32 ones, as with "
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16), are their own masters)"
+        )
+    return kinds != {False}
