@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench showcase clean
+.PHONY: demo test lint docs bench showcase clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,13 +54,38 @@ $(VENV)/.bench: $(VENV)/.test
 	$(BIN)/pip install py-spy
 	touch $@
 
+# Every benchmark whose figures the README or the docs quote, then those figures rewritten from the
+# new JSON (benchmarks/figures.py; tests/test_docs_figures.py checks each command is here). Hours:
+# the optimizer runs move tens of GB, and the last is the showcase below.
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
 	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
 	$(BIN)/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json
 	$(BIN)/python benchmarks/bench_optimizer.py --repeats 5 --profile --output benchmarks/results/optimizer.json
+	$(BIN)/python benchmarks/bench_optimizer.py --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB --steps 3 \
+		--output benchmarks/results/optimizer_scale.json
 	$(BIN)/python benchmarks/predict_mlp_offload.py --output benchmarks/results/mlp_offload_prediction.json
+	$(BIN)/python benchmarks/bench_apollo.py --output benchmarks/results/apollo.json
+	$(BIN)/python benchmarks/quality_apollo.py --output benchmarks/results/apollo_quality.json \
+		--plot benchmarks/results/apollo_quality.png
+	$(BIN)/python benchmarks/bench_deepspeed.py --steps 5 --repeats 3 --output benchmarks/results/deepspeed.json
+	$(BIN)/python benchmarks/bench_activations.py --repeats 3 --output benchmarks/results/activations.json
+	$(BIN)/python benchmarks/bench_checkpoint.py --repeats 3 --output benchmarks/results/checkpoint.json
 	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
+	$(BIN)/python benchmarks/bench_fsdp.py --width 1024 --layers 8 --steps 4 --repeats 2 --sub-group-size 2000000 \
+		--dram-budget 67108864 --output benchmarks/results/fsdp.json
+	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 --plot benchmarks/results/beyond_memory.png \
+		--output benchmarks/results/beyond_memory.json
+	$(BIN)/python benchmarks/figures.py README.md docs/performance.md docs/fsdp.md
+
+# The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing reference
+# or a docstring warning fails the build. Its tools are the docs extra, installed here only.
+$(VENV)/.docs: pyproject.toml setup.py $(VENV)/.torch
+	$(BIN)/pip install -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # A ~1B-parameter Llama trained by Trainer beyond this machine's memory: tierstore beside DeepSpeed
 # (about 25 minutes; needs ~50 GB free on the disk under test).
@@ -69,4 +94,4 @@ showcase: $(VENV)/.bench
 		--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json
 
 clean:
-	rm -rf $(VENV) *.egg-info tierstore-data bench-data $(TYPED_TREE)
+	rm -rf $(VENV) *.egg-info tierstore-data bench-data $(TYPED_TREE) site build/docs-tree
