@@ -73,17 +73,30 @@ from .transfers import Transfers
 class ActivationOffload:
     """Offload the activations saved during a forward pass to ``store`` (see the module docstring).
 
-    Use it as a context manager around forward; backward may run after the block.
+    Use it as a context manager around forward; backward may run after the block. Entering a
+    closed offloader, or entering one inside its own block, raises :class:`ConfigError`.
 
-    ``budget``: bytes of memory for saved tensors of at least ``min_bytes``: captures being
-    written, tensors the plan keeps, and bytes read back ahead of backward or being used by it;
-    reserved from the store's memory ledger. ``min_bytes``: smaller saved tensors stay in memory
-    as autograd keeps them. ``plan``: ``"lifetime"`` (profile, then keep what cannot be hidden),
-    ``"all"`` (spill every eligible tensor) or ``"none"`` (keep everything: the hooks only
-    count). ``namespace``: the key prefix of the spilled objects; by default a fresh one
-    (``activations``, ``activations-2``, ...) is claimed on the store, so several offloaders (and
-    other workloads) can share it; a namespace claimed already raises
-    :class:`~tierstore.NamespaceInUseError`.
+    Args:
+        store: where saved tensors are spilled, and whose memory ledger ``budget`` is reserved
+            from; the store stays the caller's (:meth:`close` leaves it open).
+        budget: bytes (an int, or text such as ``"512MiB"``) of memory for saved tensors of at
+            least ``min_bytes``: captures being written, tensors the plan keeps, and bytes read
+            back ahead of backward or being used by it.
+        min_bytes: bytes (an int or text); smaller saved tensors stay in memory as autograd keeps
+            them.
+        plan: ``"lifetime"`` (profile, then keep what cannot be hidden), ``"all"`` (spill every
+            eligible tensor) or ``"none"`` (keep everything: the hooks only count).
+        namespace: the key prefix of the spilled objects; None claims a fresh one on the store
+            (``activations``, ``activations-2``, ...), so several offloaders (and other
+            workloads) can share it.
+
+    Raises:
+        ConfigError: ``budget``, ``min_bytes`` or ``plan`` of the wrong type or out of range
+            (the message names it).
+        InvalidKeyError: ``namespace`` is not a valid key.
+        NamespaceInUseError: ``namespace`` is already claimed on the store.
+        CapacityError: ``budget`` does not fit beside the store's other reservations.
+        StoreClosedError: the store is closed.
     """
 
     def __init__(
@@ -190,12 +203,18 @@ class ActivationOffload:
 
     # -- public -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counters since creation: bytes spilled, read back, kept, deduplicated, forwarded; the
-        peak of resident bytes (pool memory holding saved tensors: at most ``budget``); seconds
-        forward waited on writes and backward on reads; ``overflow_bytes``, saved or read bytes
-        that went to ordinary memory because tensors held outside the offloader left the pool no
-        room. The ``step_`` ones cover the latest step: its peak, and the bytes of the saved
-        tensors it captured (what keeping them all in memory would hold at the end of forward)."""
+        """Counters since creation, and the offloader's current state.
+
+        Returns:
+            By name: bytes spilled, read back, kept, deduplicated, forwarded; the peak of resident
+            bytes (pool memory holding saved tensors: at most ``budget``); seconds forward waited
+            on writes and backward on reads; ``overflow_bytes``, saved or read bytes that went to
+            ordinary memory because tensors held outside the offloader left the pool no room. The
+            ``step_`` ones cover the latest step: its peak, and the bytes of the saved tensors it
+            captured (what keeping them all in memory would hold at the end of forward). Then
+            ``resident_bytes``, ``pool_bytes``, ``budget_bytes``, ``plan`` and the planner's own
+            figures.
+        """
         with self._lock:
             stats: dict[str, Any] = dict(self._stats)
             stats["resident_bytes"] = self._staging.pool.in_use_bytes
@@ -206,7 +225,13 @@ class ActivationOffload:
             return stats
 
     def plan_explain(self) -> str:
-        """Which saved tensors are kept in memory and which are spilled, and why."""
+        """Which saved tensors are kept in memory and which are spilled, and why.
+
+        Returns:
+            Text: the plan in force and the rules every plan follows, then, for a ``"lifetime"``
+            plan built from a profiled step, one line per saved tensor of that step (its size,
+            when it was saved and used, kept or spilled).
+        """
         return self._planner.explain(self.min_bytes)
 
     def synchronize(self) -> None:

@@ -51,15 +51,24 @@ class _Read:
 
 class TieredStorageReader(TierSet, StorageReader):
     """Reads DCP checkpoints written by :class:`~tierstore.checkpoint.TieredStorageWriter` from
-    the first tier of ``config`` that holds them (a store config: the same ``tiers`` as the
-    writer's, in the same order; ``cache.budget`` bounds the memory a load reads ahead into).
-    Resharding (a checkpoint of N ranks loaded on M) is DCP's and works as with its own readers.
+    the first tier of the config that holds them. Resharding (a checkpoint of N ranks loaded on M)
+    is DCP's and works as with its own readers.
 
-    ``checkpoint_id`` (or the one ``dcp.load`` is given): ``tierstore://<name>`` or ``<name>``;
-    none loads the newest committed checkpoint. An id no tier holds raises
-    :class:`~tierstore.CheckpointNotFoundError` at once. Every byte read is checked against its
-    checksum: damage raises :class:`~tierstore.ChecksumError` naming the checkpoint, the tier and
-    the item (inside DCP's ``CheckpointException``, which collects each rank's error).
+    Every byte read is checked against its checksum: damage raises
+    :class:`~tierstore.ChecksumError` naming the checkpoint, the tier and the item (inside DCP's
+    ``CheckpointException``, which collects each rank's error).
+
+    Args:
+        config: a store config (dict, ``.toml``/``.json`` path or :class:`~tierstore.StoreConfig`)
+            with the same ``tiers`` as the writer's, in the same order; ``cache.budget`` bounds
+            the memory a load reads ahead into.
+        checkpoint_id: ``tierstore://<name>`` or ``<name>`` (or the one ``dcp.load`` is given);
+            None for the newest committed checkpoint.
+
+    Raises:
+        ConfigError: the config is invalid, or a backend cannot be opened as configured.
+        CheckpointNotFoundError: no tier holds ``checkpoint_id`` (raised at once).
+        InvalidKeyError: ``checkpoint_id`` is not a valid checkpoint name.
     """
 
     def __init__(self, config: ConfigSource, checkpoint_id: str | None = None) -> None:
@@ -77,7 +86,16 @@ class TieredStorageReader(TierSet, StorageReader):
 
     # -- DCP's StorageReader ----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | Any | None = None) -> None:
-        """Choose the checkpoint to load (None: the newest), from the nearest tier holding it."""
+        """Choose the checkpoint to load, from the nearest tier holding it (DCP calls this).
+
+        Args:
+            checkpoint_id: ``tierstore://<name>`` or ``<name>``; None for the newest.
+
+        Raises:
+            CheckpointNotFoundError: no tier holds it.
+            InvalidKeyError: ``checkpoint_id`` is not a valid checkpoint name.
+            StoreClosedError: the reader is closed.
+        """
         self._check_open()
         self._source = self._find(None if not checkpoint_id else checkpoint_name(checkpoint_id))
 

@@ -30,7 +30,12 @@ from ..tier import Placement
 
 
 class StoredTensor(torch.Tensor):
-    """A stand-in for a store object in a state dict (see :func:`stored_tensors`)."""
+    """A stand-in for a store object in a state dict (see :func:`stored_tensors`).
+
+    A tensor of the object's shape and dtype that holds no data (one element, expanded); a save
+    copies the object tier to tier, a load puts the saved object back into the store. Create
+    them with :func:`stored_tensors`, not directly.
+    """
 
 
 _owners: dict[int, tuple[weakref.ref[TierStore], str, weakref.ref[torch.Tensor]]] = {}
@@ -39,7 +44,19 @@ _lock = threading.Lock()
 
 
 def stored_tensors(store: TierStore, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Stand-ins for the objects of ``store`` under ``keys`` (each must exist), by key."""
+    """Stand-ins for store objects, to put in a state dict that ``dcp.save`` or ``dcp.load`` takes.
+
+    Args:
+        store: the store holding the objects.
+        keys: the objects' keys; each must be committed.
+
+    Returns:
+        By key, a :class:`StoredTensor` of the object's shape and dtype.
+
+    Raises:
+        KeyNotFoundError: a key has no committed object.
+        StoreClosedError: the store is closed.
+    """
     stand_ins: dict[str, torch.Tensor] = {}
     with _lock:  # stand-ins no longer held are forgotten (a save holds its state dict throughout)
         for address in [address for address, entry in _owners.items() if entry[2]() is None]:

@@ -36,24 +36,31 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
     """Writes DCP checkpoints to the first tier of a tierstore config and drains them to the
     others (see :mod:`tierstore.checkpoint`).
 
-    ``config``: a store config (dict, ``.toml``/``.json`` path or :class:`~tierstore.StoreConfig`)
-    whose ``tiers`` are where checkpoints go, fastest first: every rank writes its items to the
-    first tier (striped over its paths) and ``dcp.save`` returns once the checkpoint is committed
-    there; the coordinating rank then copies it to each following tier in the background, and it is
-    durable once the last tier holds it. ``cache.budget`` is the DRAM a save stages through
-    (``dcp.async_save`` copies the state into it instead of a second full copy), and
-    ``cache.pack_below`` the size under which items share pack objects; the other fields of a store
-    config do not apply to checkpoints.
-
-    ``keep``: how many checkpoints each tier keeps, by tier name (None: all). By default the first
-    tier keeps the newest 2 when there are tiers after it, and every other tier keeps all. A
-    checkpoint leaves a tier before the last only once the last tier holds it.
+    Every rank writes its items to the first tier (striped over its paths) and ``dcp.save``
+    returns once the checkpoint is committed there; the coordinating rank then copies it to each
+    following tier in the background, and it is durable once the last tier holds it. A checkpoint
+    leaves a tier before the last only once the last tier holds it.
 
     Opening the writer collects what interrupted saves, drains and deletions of ended processes
     left on the tiers. Like DCP's own writers, one writer serves one save at a time: an
     ``async_save`` waits in its staging until the previous save has written its data. Use the
     thread checkpointer of ``dcp.async_save`` (the default): the process one cannot carry this
     writer to its child process. :meth:`close` (or the ``with`` block) waits for the drain.
+
+    Args:
+        config: a store config (dict, ``.toml``/``.json`` path or :class:`~tierstore.StoreConfig`)
+            whose ``tiers`` are where checkpoints go, fastest first. ``cache.budget`` is the DRAM
+            a save stages through (``dcp.async_save`` copies the state into it instead of a
+            second full copy), and ``cache.pack_below`` the size under which items share pack
+            objects; the other fields of a store config do not apply to checkpoints.
+        keep: how many checkpoints each tier keeps, by tier name (a value of None: all). Tiers
+            left out keep the default: the first tier the newest 2 when there are tiers after it,
+            every other tier all.
+
+    Raises:
+        ConfigError: the config is invalid or a backend cannot be opened as configured,
+            ``keep`` names a tier the config lacks or holds a bad count, or ``cache.budget`` is
+            too small to stage through; the message names it.
     """
 
     _synchronize_after_execute = False  # staging is done when stage() returns
@@ -84,8 +91,15 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
 
     # -- DCP's StorageWriter ----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | Any | None = None) -> None:
-        """Start a save; ``checkpoint_id`` is ``tierstore://<name>`` or ``<name>`` (None: the last
-        one given)."""
+        """Start a save (DCP calls this).
+
+        Args:
+            checkpoint_id: ``tierstore://<name>`` or ``<name>``; None for the last one given.
+
+        Raises:
+            InvalidKeyError: ``checkpoint_id`` is not a valid checkpoint name.
+            StoreClosedError: the writer is closed.
+        """
         self._check_open()
         self._claim_staged()
         if checkpoint_id:
@@ -178,9 +192,20 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
     # -- DCP's AsyncStager ------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """For ``dcp.async_save``: copy every tensor (and DTensor's local shard) into the DRAM
-        budget, spilling to the fast tier while it is full, and return the state dict for the
-        background save, whose tensors are only looked at for their shapes (their data is the
-        staged copy) and whose other values are copies. Training may go on when this returns."""
+        budget, spilling to the fast tier while it is full. Training may go on when this returns.
+
+        Args:
+            state_dict: the state to save.
+
+        Returns:
+            The state dict for the background save, whose tensors are only looked at for their
+            shapes (their data is the staged copy) and whose other values are copies.
+
+        Raises:
+            BufferMismatchError: a tensor subclass other than a DTensor, a ``Parameter`` or a
+                :class:`StoredTensor` (save it with ``dcp.save``).
+            StoreClosedError: the writer is closed.
+        """
         self._check_open()
         with self._lock:
             while self._staged is not None:  # the previous save has not written its data yet
@@ -218,8 +243,19 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
 
     # -- the drain --------------------------------------------------------------------------------
     def drain(self, *, wait: bool = True) -> None:
-        """Drain every committed checkpoint some later tier lacks (after an interrupted drain);
-        with ``wait``, until done (raising a drain's error)."""
+        """Drain every committed checkpoint some later tier lacks (after an interrupted drain).
+
+        Args:
+            wait: block until the drain is done; False returns at once, the drain going on in
+                the background.
+
+        Raises:
+            BackendIOError: with ``wait``, a copy failed (a :class:`ChecksumError` for damaged
+                data); the drain's own error.
+            CapacityError: with ``wait``, the memory budget cannot hold an object the drain
+                copies through memory.
+            StoreClosedError: the writer is closed.
+        """
         self._check_open()
         if self._drainer is None:
             self._drainer = self._start_drainer()
@@ -230,8 +266,23 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
             self._drainer.wait(None, None)
 
     def wait_durable(self, checkpoint_id: str | None = None, timeout: float | None = None) -> bool:
-        """Wait until the checkpoint (None: every one queued) is on the last tier; False if
-        ``timeout`` seconds pass first. Raises the drain's error if it failed."""
+        """Wait until a checkpoint is durable: on the last tier.
+
+        Args:
+            checkpoint_id: ``tierstore://<name>`` or ``<name>``; None for every checkpoint queued
+                for draining.
+            timeout: seconds to wait at most; None for no limit.
+
+        Returns:
+            True once it is on the last tier (at once where nothing was drained), False if
+            ``timeout`` seconds passed first.
+
+        Raises:
+            BackendIOError: its drain failed (a :class:`ChecksumError` for damaged data); the
+                drain's own error.
+            CapacityError: its drain could not get the memory to copy an object through.
+            InvalidKeyError: ``checkpoint_id`` is not a valid checkpoint name.
+        """
         if self._drainer is None:
             return True
         name = None if checkpoint_id is None else checkpoint_name(checkpoint_id)

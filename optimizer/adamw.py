@@ -30,14 +30,44 @@ STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 class OffloadedAdamW(StagedOptimizer):
     """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) over a :class:`TierStore`.
 
-    ``dram_budget`` bounds the fp32 state this optimizer holds in DRAM: the ring of
-    ``prefetch_depth`` read-ahead buffers, the fp32 gradient buffer, and the sub-groups kept
-    cached between steps (``cache_policy``: ``"model"`` asks :func:`tierstore.model.plan_pass`,
-    ``"static"`` keeps the last K that fit as MLP-Offload does, ``"none"`` keeps nothing).
-    ``maximize`` and ``amsgrad`` are torch's, as constructor arguments or group keys; ``amsgrad``
-    adds a fourth of state (its bytes counted against ``dram_budget`` and moved every step) and,
-    laying the group's state out, cannot change after the group is added. ``namespace`` prefixes
-    the state's store keys and is claimed on the store (see :class:`StagedOptimizer`).
+    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad`` and ``maximize`` are torch's, as
+    constructor arguments (the defaults) or group keys. ``amsgrad`` adds a fourth of state (its
+    bytes counted against ``dram_budget`` and moved every step) and, laying the group's state out,
+    cannot change after the group is added.
+
+    Args:
+        params: the parameters (contiguous CPU tensors, each listed once) or parameter groups, as
+            for ``torch.optim.AdamW``.
+        store: the store holding the fp32 state (master weights and moments).
+        lr: the learning rate.
+        betas: the coefficients of the running averages of the gradient and its square, each in
+            [0, 1).
+        eps: added to the denominator for numerical stability.
+        weight_decay: the decoupled weight decay coefficient.
+        amsgrad: keep the running maximum of the second moment (AMSGrad).
+        maximize: maximize the objective instead of minimizing it.
+        sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
+        max_grad_norm: clip the global gradient norm to this (as ``clip_grad_norm_``); None for
+            no clipping.
+        dram_budget: bytes of fp32 state this optimizer holds in DRAM: the ring of
+            ``prefetch_depth`` read-ahead buffers, the fp32 gradient buffer, and the sub-groups
+            kept cached between steps; None for the ring and the gradient buffer only.
+        prefetch_depth: sub-groups read ahead of the one being updated.
+        cache_policy: which sub-groups stay cached between steps: ``"model"`` asks
+            :func:`tierstore.model.plan_pass`, ``"static"`` keeps the last K that fit as
+            MLP-Offload does, ``"none"`` keeps nothing.
+        namespace: prefixes the state's store keys; claimed on the store for the optimizer's
+            lifetime (see :class:`StagedOptimizer`).
+        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
+            torch's setting (at least one), leaving a core to the store's I/O.
+
+    Raises:
+        ConfigError: an argument or group key of the wrong type or out of range (the message
+            names it), a parameter listed twice, or a ``DTensor`` parameter (FSDP2's shards).
+        BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+        CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
+            buffer), or does not fit beside the store's other reservations.
+        NamespaceInUseError: ``namespace`` is already claimed on the store.
     """
 
     LAYOUT_KEYS = ("amsgrad",)

@@ -83,12 +83,47 @@ class OffloadedAPOLLO(StagedOptimizer):
     (``"random"``), ``scale_type`` (``"tensor"`` or ``"channel"``), ``scale``, ``update_proj_gap``,
     ``proj_type`` (``"std"``, ``"reverse_std"``, ``"left"``, ``"right"``), and ``correct_bias``;
     ``scale_front`` and ``disable_nl`` are its constructor flags. APOLLO-Mini is ``rank=1,
-    scale_type="tensor"`` (the paper uses ``scale=128``). ``max_grad_norm``, ``grad_scale`` and
-    overflow skipping are the engine's, as for AdamW. ``maximize`` and ``amsgrad``, which
-    ``apollo_torch`` does not have, are refused as group keys (a :class:`ConfigError` naming the
-    key); ``rank`` and ``proj_type`` lay a group's state out, so they cannot change after the group
-    is added. ``namespace`` prefixes the state's store keys and is claimed on the store (see
-    :class:`StagedOptimizer`).
+    scale_type="tensor"`` (the paper uses ``scale=128``; :data:`APOLLO_MINI`). ``max_grad_norm``,
+    ``grad_scale`` and overflow skipping are the engine's, as for AdamW. ``maximize`` and
+    ``amsgrad``, which ``apollo_torch`` does not have, are refused as group keys; ``rank`` and
+    ``proj_type`` lay a group's state out, so they cannot change after the group is added.
+
+    Args:
+        params: the parameters (contiguous CPU tensors, each listed once) or parameter groups
+            with the keys above, as for ``apollo_torch.APOLLOAdamW``.
+        store: the store holding the fp32 state (master weights, moments and limiter norms).
+        lr: the learning rate.
+        betas: the coefficients of the running averages of the (projected) gradient and its
+            square, each in [0, 1).
+        eps: added to the denominator for numerical stability.
+        weight_decay: the decoupled weight decay coefficient.
+        correct_bias: apply Adam's bias correction (the default of groups that leave it out).
+        scale_front: apply the groups' ``scale`` before the norm-growth limiter rather than
+            after it (``apollo_torch``'s flag).
+        disable_nl: turn Fira's norm-growth limiter off.
+        sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
+        max_grad_norm: clip the global gradient norm to this (as ``clip_grad_norm_``); None for
+            no clipping.
+        dram_budget: bytes of fp32 state this optimizer holds in DRAM: the ring of
+            ``prefetch_depth`` read-ahead buffers, the fp32 gradient buffer, and the sub-groups
+            kept cached between steps; None for the ring and the gradient buffer only.
+        prefetch_depth: sub-groups read ahead of the one being updated.
+        cache_policy: which sub-groups stay cached between steps: ``"model"`` asks
+            :func:`tierstore.model.plan_pass`, ``"static"`` keeps the last K that fit as
+            MLP-Offload does, ``"none"`` keeps nothing.
+        namespace: prefixes the state's store keys; claimed on the store for the optimizer's
+            lifetime (see :class:`StagedOptimizer`).
+        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
+            torch's setting (at least one), leaving a core to the store's I/O.
+
+    Raises:
+        ConfigError: an argument or group key of the wrong type or out of range (the message
+            names it; ``maximize`` and ``amsgrad`` as group keys), a parameter listed twice, or a
+            ``DTensor`` parameter (FSDP2's shards).
+        BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+        CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
+            buffer), or does not fit beside the store's other reservations.
+        NamespaceInUseError: ``namespace`` is already claimed on the store.
     """
 
     LAYOUT_KEYS = ("rank", "proj_type")

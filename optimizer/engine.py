@@ -44,18 +44,16 @@ from .partition import Piece, SubGroup, partition, partition_whole
 from .staging import FP32, SubGroupStager, pass_order
 
 GRADIENT_CHUNK = 1 << 19
-"""fp32 elements converted at a time for the norm and for element-wise kernels (2 MiB: with the
-state it is combined with, it stays in a CPU's cache; measured best of 256K-2M here)."""
+"""fp32 elements converted at a time for the norm and for element-wise kernels (2 MiB: sized so
+that, with the state it is combined with, it stays in a CPU's cache)."""
 
 
 class StagedOptimizer(torch.optim.Optimizer):
-    """Base of the offloaded optimizers; ``dram_budget`` bounds the fp32 DRAM it holds (ring,
-    gradient buffer, kept sub-groups), ``whole_params`` keeps every parameter in one sub-group.
+    """Base of the offloaded optimizers: one step's schedule over sub-groups staged through a store.
 
-    ``compute_threads`` is how many threads torch's CPU kernels use during a step; by default one
-    fewer than torch's setting (at least one), so that a core stays free for the store's I/O
-    threads: on a 2-core VM a second kernel thread slowed the concurrent state I/O by more than it
-    sped up the kernels (an alternating A/B of the update phase, see the README's benchmarks).
+    The number of threads torch's CPU kernels use during a step is by default one fewer than
+    torch's setting (at least one), so that a core stays free for the store's I/O threads, which
+    move the state while the kernels run.
 
     The state lives in the store under ``namespace``, which the optimizer claims on the store for
     its lifetime (:class:`~tierstore.optimizer.staging.SubGroupStager`): a second optimizer, or any
@@ -67,6 +65,33 @@ class StagedOptimizer(torch.optim.Optimizer):
     Parameter groups may be added after construction (:meth:`add_param_group`, as in torch). A
     group's :attr:`LAYOUT_KEYS` fix the layout of its state in the store, so they cannot change
     once the group is added.
+
+    Args:
+        params: the parameters (contiguous CPU tensors, each listed once) or parameter groups
+            (dicts with ``params`` and hyper-parameter keys), as for ``torch.optim.Optimizer``.
+        store: the store holding the fp32 state.
+        defaults: the hyper-parameters a group takes for the keys it leaves out.
+        sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
+        max_grad_norm: clip the global gradient norm to this; None for no clipping.
+        dram_budget: bytes of fp32 DRAM the optimizer holds (read-ahead ring, gradient buffer and
+            sub-groups kept between steps); None for the ring and the gradient buffer only.
+        prefetch_depth: sub-groups read ahead of the one being updated.
+        cache_policy: which sub-groups stay in DRAM between steps: ``"model"`` (the I/O model's
+            choice), ``"static"`` (the last that fit) or ``"none"``.
+        namespace: the prefix of the state's store keys, claimed on the store.
+        whole_params: keep every parameter whole in one sub-group (for kernels that need whole
+            parameters) instead of cutting parameters at sub-group boundaries.
+        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
+            torch's setting (at least one).
+
+    Raises:
+        ConfigError: an argument or hyper-parameter of the wrong type or out of range, a
+            parameter listed twice, a ``DTensor`` parameter where :attr:`SHARDED_PARAMETERS`
+            refuses them, or a namespace that is not a valid key; the message names it.
+        BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+        CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
+            buffer), or does not fit beside the store's other reservations.
+        NamespaceInUseError: ``namespace`` is already claimed on the store.
     """
 
     LAYOUT_KEYS: ClassVar[tuple[str, ...]] = ()
@@ -179,14 +204,23 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     # -- public -----------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group, as ``torch.optim.Optimizer.add_param_group``: keys it leaves out
-        take the constructor's values. Its parameters must be contiguous CPU tensors, each listed
-        once (torch warns about a duplicate and updates it twice; here it is a
-        :class:`ConfigError`), and its hyper-parameters valid (a :class:`ConfigError` naming the
-        key). Once the optimizer is constructed, the group's parameters form new sub-groups whose
-        fresh state (master weights = the parameters) is written to the store, the staging buffers
-        growing if the new sub-groups are larger (a :class:`CapacityError` if a given
-        ``dram_budget`` cannot hold them)."""
+        """Add a parameter group, as ``torch.optim.Optimizer.add_param_group``.
+
+        Once the optimizer is constructed, the group's parameters form new sub-groups whose fresh
+        state (master weights = the parameters) is written to the store, the staging buffers
+        growing if the new sub-groups are larger. If any of that fails, the group is not added.
+
+        Args:
+            param_group: ``params`` (contiguous CPU tensors, each listed once) and the group's
+                hyper-parameters; keys it leaves out take the constructor's values.
+
+        Raises:
+            ConfigError: a parameter listed twice (torch warns and updates it twice), a refused
+                ``DTensor`` parameter, or an invalid hyper-parameter; the message names the key.
+            BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+            CapacityError: a given ``dram_budget`` cannot hold the new, larger sub-groups.
+            StoreClosedError: the optimizer is closed.
+        """
         staged = hasattr(self, "stager")  # False while torch's constructor adds the first groups
         if staged:
             self._check_open()
@@ -224,17 +258,35 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Write the sub-groups kept in DRAM back (the store then holds the whole state) and give
-        back the namespace and the DRAM budget; the optimizer is unusable afterwards
-        (:class:`StoreClosedError`). Idempotent."""
+        back the namespace and the DRAM budget.
+
+        The optimizer is unusable afterwards: its methods raise :class:`StoreClosedError`.
+        Idempotent.
+        """
         self.stager.close()
 
     @torch.no_grad()
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
-        """One step; gradients are divided by ``grad_scale`` (loss scaling). A step whose gradients
-        overflow is skipped (``skipped_steps`` counts them) and changes nothing. A sparse gradient
-        (``nn.Embedding(sparse=True)``) is a :class:`BufferMismatchError` naming the parameter, and
-        a group whose :attr:`LAYOUT_KEYS` changed since it was added a :class:`ConfigError`; either
-        before anything is updated."""
+        """One optimizer step over every sub-group.
+
+        A step whose gradients overflow (a non-finite norm) is skipped (``skipped_steps`` counts
+        them) and changes nothing. Errors are raised before anything is updated.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as in ``torch.optim``; None for
+                none.
+            grad_scale: the loss scale: gradients are divided by it.
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            ConfigError: ``grad_scale`` is not positive, or a group's :attr:`LAYOUT_KEYS` changed
+                since it was added.
+            BufferMismatchError: a sparse gradient (``nn.Embedding(sparse=True)``); the message
+                names the parameter.
+            StoreClosedError: the optimizer is closed.
+        """
         self._check_open()
         if not grad_scale > 0.0:
             raise ConfigError(f"grad_scale must be a positive number, got {grad_scale}")
@@ -278,10 +330,19 @@ class StagedOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim``'s format: per parameter its ``step`` (its own count) and its state
-        (:meth:`_state_entries`), the groups with their parameters' indices, and the optimizer's
-        step counts. Sub-groups kept in DRAM are written to the store first, so the store holds
-        the same state as the dict."""
+        """The optimizer's state, in ``torch.optim``'s format.
+
+        Sub-groups kept in DRAM are written to the store first, so the store holds the same state
+        as the dict.
+
+        Returns:
+            ``state``: per parameter index its ``step`` (its own count) and its state as whole
+            fp32 tensors of its shape; ``param_groups``: the groups' hyper-parameters with their
+            parameters' indices; ``step_count`` and ``skipped_steps``: the optimizer's counts.
+
+        Raises:
+            StoreClosedError: the optimizer is closed.
+        """
         self._check_open()
         self.stager.flush()
         entries = self._state_entries()
@@ -296,9 +357,19 @@ class StagedOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (same parameters and state layout); the store is rewritten.
+        """Restore a :meth:`state_dict`; the state in the store is rewritten.
+
         Each parameter's ``step`` is its own count (a parameter without an entry has taken none, as
-        in torch); dicts saved before per-parameter counts hold the global count in every entry."""
+        in torch); dicts saved before per-parameter counts hold the global count in every entry.
+
+        Args:
+            state_dict: a state dict of an optimizer with the same parameters and state layout.
+
+        Raises:
+            BufferMismatchError: the dict's groups, parameters or state shapes do not match this
+                optimizer's, or a group's :attr:`LAYOUT_KEYS` differ; nothing is restored.
+            StoreClosedError: the optimizer is closed.
+        """
         self._check_open()
         self._restore_groups(state_dict["param_groups"])
         state = state_dict["state"]
@@ -312,7 +383,14 @@ class StagedOptimizer(torch.optim.Optimizer):
         self._write_all(state)
 
     def master_params(self) -> list[torch.Tensor]:
-        """The fp32 master weights, one tensor per parameter (read from DRAM or the store)."""
+        """The fp32 master weights.
+
+        Returns:
+            One fp32 tensor per parameter, of its shape (read from DRAM or the store).
+
+        Raises:
+            StoreClosedError: the optimizer is closed.
+        """
         self._check_open()
         masters = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
         for sg in self.subgroups:
@@ -324,7 +402,14 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     def save_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Checkpoint the fp32 state (sub-groups kept in DRAM included) and step counts into one
-        portable HDF5 file (:func:`tierstore.export_hdf5`), without gathering it in memory."""
+        portable HDF5 file (:func:`tierstore.export_hdf5`), without gathering it in memory.
+
+        Args:
+            path: the HDF5 file to write.
+
+        Raises:
+            StoreClosedError: the optimizer is closed.
+        """
         self._check_open()
         self.stager.flush()
         metadata = {
@@ -338,8 +423,19 @@ class StagedOptimizer(torch.optim.Optimizer):
         export_hdf5(self.store, path, [self.stager.key(sg.index) for sg in self.subgroups], metadata)
 
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
-        """Restore a :meth:`save_snapshot` (same parameters and ``sub_group_size``, same namespace).
-        A snapshot from before per-parameter step counts gives every parameter the global count."""
+        """Restore a :meth:`save_snapshot`, and copy the restored master weights into the model.
+
+        A snapshot from before per-parameter step counts gives every parameter the global count.
+
+        Args:
+            path: an HDF5 file written by :meth:`save_snapshot` of an optimizer with the same
+                parameters, ``sub_group_size`` and namespace.
+
+        Raises:
+            BufferMismatchError: the snapshot's sub-groups, layout, step counts or keys do not
+                match this optimizer's.
+            StoreClosedError: the optimizer is closed.
+        """
         self._check_open()
         with open_snapshot(path) as snapshot:
             metadata = snapshot.metadata
@@ -459,8 +555,8 @@ class StagedOptimizer(torch.optim.Optimizer):
         """The same as :meth:`_gradients`, a buffer's worth at a time: each chunk lists pieces (parts
         of the sub-group's, cut at the buffer's end) with their fp32 gradients. An element-wise
         kernel run on each chunk reads the converted gradient while it is still in cache: a whole
-        sub-group's worth would go out to memory and come back, traffic that on a VM slows the
-        state I/O sharing the memory bus (the README's benchmarks)."""
+        sub-group's worth would go out to memory and come back, traffic that competes with the
+        state I/O for the memory bus."""
         room = self._grad.numel()
         chunk: list[tuple[Piece, torch.Tensor]] = []
         used = 0
@@ -512,10 +608,9 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     def _squares(self, grad: torch.Tensor) -> float:
         """A gradient's sum of squares, in fp32 over cache-sized pieces summed in double. A
-        low-precision gradient is converted piece by piece into the fp32 buffer: converting and then
-        reducing is ~3.5x faster on a CPU than the reduction converting as it goes
-        (``vector_norm(dtype=torch.float32)``), and a piece that stays in cache is ~2.5x faster
-        again than a whole sub-group's."""
+        low-precision gradient is converted piece by piece into the fp32 buffer and then reduced,
+        rather than reduced with the conversion inside (``vector_norm(dtype=torch.float32)``),
+        which is slower on a CPU; each piece stays in cache between the two."""
         flat, squares = grad.reshape(-1), 0.0
         size = min(self._grad.numel(), GRADIENT_CHUNK)
         for start in range(0, flat.numel(), size):

@@ -68,6 +68,28 @@ class SubGroupStager:
     :class:`~tierstore.errors.NamespaceInUseError` instead of overwriting them. The claim and the
     staging area (``dram_budget`` bytes of the store's ledger) last until :meth:`close` (or
     :meth:`abandon`, or garbage collection).
+
+    Args:
+        store: the store holding the sub-group objects, and whose ledger the DRAM is reserved from.
+        namespace: the prefix of the sub-groups' store keys, claimed on the store.
+        slot_elements: fp32 values of the largest sub-group (the size of each ring buffer).
+        dram_budget: bytes of DRAM the stager holds: the working set (``prefetch_depth`` ring
+            buffers and ``reserved_bytes``) and room for kept sub-groups; None for the working
+            set only (nothing kept).
+        prefetch_depth: sub-groups read ahead of the one being updated (the ring's buffers).
+        cache_policy: which sub-groups stay in DRAM between passes: ``"model"`` (the I/O
+            model's choice), ``"static"`` (the last that fit) or ``"none"``.
+        reserved_bytes: bytes of the budget the caller holds for buffers of its own (an
+            optimizer's fp32 gradient buffer).
+        owner: who holds the namespace and the DRAM, as the store reports them.
+
+    Raises:
+        ConfigError: ``dram_budget``, ``prefetch_depth`` or ``cache_policy`` of the wrong type or
+            out of range, or a namespace that is not a valid key; the message names it.
+        CapacityError: ``dram_budget`` is below the working set, or does not fit beside the
+            store's other reservations.
+        NamespaceInUseError: ``namespace`` is already claimed on the store.
+        StoreClosedError: the store is closed.
     """
 
     def __init__(

@@ -24,8 +24,15 @@ class Reservation:
 
 
 class MemoryLedger:
-    """Reservations of host memory by named owners under one capacity (``None``: unbounded,
-    reservations are only counted)."""
+    """Reservations of host memory by named owners under one capacity.
+
+    Args:
+        capacity: the bytes all reservations may hold together; None for no limit (reservations
+            are only counted).
+
+    Raises:
+        CapacityError: a negative capacity.
+    """
 
     def __init__(self, capacity: int | None) -> None:
         if capacity is not None and capacity < 0:
@@ -35,10 +42,21 @@ class MemoryLedger:
         self._lock = threading.Lock()
 
     def reserve(self, owner: str, nbytes: int, *, replacing: Reservation | None = None) -> Reservation:
-        """Hold ``nbytes`` for ``owner`` until :meth:`release`; :class:`CapacityError` if they do
-        not fit beside what the others hold. ``replacing``: a reservation given back in the same
-        step (a workload changing its budget needs room for the difference only); it is kept if
-        the new one does not fit."""
+        """Hold memory for an owner until :meth:`release`.
+
+        Args:
+            owner: who holds it, as :meth:`held` reports it.
+            nbytes: the bytes to hold.
+            replacing: a reservation given back in the same step (a workload changing its budget
+                needs room for the difference only); it is kept if the new one does not fit.
+
+        Returns:
+            The reservation, to give to :meth:`release`.
+
+        Raises:
+            CapacityError: ``nbytes`` is negative, or does not fit beside what the others hold
+                (the message names who holds what).
+        """
         if nbytes < 0:
             raise CapacityError(f"{owner}: cannot reserve {nbytes} bytes")
         with self._lock:
@@ -56,11 +74,20 @@ class MemoryLedger:
             return reservation
 
     def release(self, reservation: Reservation) -> None:
+        """Give a reservation back (one already given back is ignored).
+
+        Args:
+            reservation: what :meth:`reserve` returned.
+        """
         with self._lock:
             self._held.discard(reservation)
 
     def held(self) -> dict[str, int]:
-        """Bytes reserved per owner."""
+        """Bytes reserved per owner.
+
+        Returns:
+            By owner (sorted), the bytes its reservations hold together.
+        """
         with self._lock:
             return self._totals()
 

@@ -27,8 +27,7 @@ class StagingArea:
 
     Args:
         ledger: the store's DRAM ledger (:attr:`TierStore.memory`); the budget is reserved from it
-            at once, so a budget that does not fit beside the other workloads' raises
-            :class:`~tierstore.errors.CapacityError` here, naming who holds what.
+            at once.
         owner: who holds the memory, as the ledger reports it (``"cache"``,
             ``"optimizer <namespace>"``, ``"activations <namespace>"``).
         budget: bytes reserved from the ledger: the most the area's buffers (and the owner's own,
@@ -41,6 +40,11 @@ class StagingArea:
             that also holds buffers of its own under the same budget (an offloaded optimizer's
             read-ahead ring and gradient buffer), which the reservation then counts too; at most
             the budget rounded up to whole pages (the pool carves whole pages).
+
+    Raises:
+        CapacityError: the budget does not fit beside the other workloads' reservations (the
+            message names who holds what), the budget is negative, or ``pool_bytes`` is negative
+            or above the budget.
     """
 
     def __init__(
@@ -84,30 +88,75 @@ class StagingArea:
         return self.pool.in_use_bytes
 
     def fits(self, nbytes: int) -> bool:
-        """Whether an object of ``nbytes`` could ever get a buffer here."""
+        """Whether an object could ever get a buffer here.
+
+        Args:
+            nbytes: the object's size in bytes.
+
+        Returns:
+            True if a buffer of ``nbytes`` fits the pool's capacity (when no buffer is in use).
+        """
         return self.pool.fits(nbytes)
 
     def try_acquire(self, nbytes: int, *, fresh_pages: bool = False) -> AlignedBuffer | None:
-        """A buffer of at least ``nbytes``, or None while buffers in use leave no room (see
-        :meth:`BufferPool.try_acquire`)."""
+        """A buffer, if there is room for it now (see :meth:`BufferPool.try_acquire`).
+
+        Args:
+            nbytes: the least size of the buffer, in bytes.
+            fresh_pages: for a resident pool whose free pages are split too finely, give some back
+                and take fresh ones rather than fail; for callers that waiting can free nothing
+                more.
+
+        Returns:
+            A buffer of at least ``nbytes`` (give it back with :meth:`release`), or None while
+            buffers in use leave no room.
+
+        Raises:
+            CapacityError: ``nbytes`` exceeds the pool's whole capacity.
+        """
         return self.pool.try_acquire(nbytes, fresh_pages=fresh_pages)
 
     def try_lease(
         self, nbytes: int, on_return: Callable[[], None] | None = None, *, fresh_pages: bool = False
     ) -> Lease | None:
         """Memory lent as tensors that give it back when the last one is gone (see
-        :meth:`BufferPool.try_lease`)."""
+        :meth:`BufferPool.try_lease`).
+
+        Args:
+            nbytes: the size of the lent tensors, in bytes.
+            on_return: called (on whichever thread let go last) once the memory is back.
+            fresh_pages: as for :meth:`try_acquire`.
+
+        Returns:
+            The lease, whose tensors are exactly ``nbytes``; or None while buffers in use leave no
+            room.
+
+        Raises:
+            CapacityError: ``nbytes`` exceeds the pool's whole capacity.
+        """
         return self.pool.try_lease(nbytes, on_return, fresh_pages=fresh_pages)
 
     def release(self, buffer: AlignedBuffer) -> None:
-        """Return a buffer acquired here; the caller must hold no view of it any more."""
+        """Return a buffer acquired here; the caller must hold no view of it any more.
+
+        Args:
+            buffer: a buffer from :meth:`try_acquire`.
+        """
         self.pool.release(buffer)
 
     def resize(self, budget: int, *, pool_bytes: int | None = None) -> None:
-        """Change the budget, and the pool's share of it as the constructor's ``pool_bytes``: the
-        new budget takes the old one's place in the ledger in one step, so it needs room for the
-        difference only, and a failure leaves the area as it was. The pool starts afresh: call it
-        only with no buffer of it in use."""
+        """Change the budget: the new budget takes the old one's place in the ledger in one step,
+        so it needs room for the difference only, and a failure leaves the area as it was. The pool
+        starts afresh: call it only with no buffer of it in use.
+
+        Args:
+            budget: the new budget, in bytes.
+            pool_bytes: the pool's share of it, as the constructor's ``pool_bytes``.
+
+        Raises:
+            CapacityError: the difference does not fit the ledger, the budget is negative, or
+                ``pool_bytes`` is negative or above the budget.
+        """
         pool_bytes = _checked_pool_bytes(self.owner, budget, pool_bytes)
         reservation = self.ledger.reserve(self.owner, budget, replacing=self._reservation)
         self._unreserve.detach()

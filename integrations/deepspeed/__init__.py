@@ -54,7 +54,18 @@ _READ_BY_TIERSTORE = (  # "auto" here: neither Trainer/Accelerate nor tierstore 
 
 
 def supported_versions(package: str = "deepspeed", extra: str = "deepspeed") -> str:
-    """The versions of ``package`` this install supports: its specifier in tierstore's ``extra``."""
+    """The versions of ``package`` this install supports.
+
+    Args:
+        package: the distribution's name.
+        extra: the tierstore extra that requires it.
+
+    Returns:
+        Its version specifier in tierstore's ``extra`` (``">=0.19.8,<0.20"``, say).
+
+    Raises:
+        UnsupportedVersionError: tierstore's metadata names no version of ``package`` for ``extra``.
+    """
     from packaging.requirements import Requirement
 
     for text in metadata.requires("tierstore") or []:
@@ -91,16 +102,38 @@ def _check_version(package: str, extra: str, installed: str | None, required: bo
 
 
 def check_deepspeed_version(installed: str | None = None) -> str:
-    """The installed DeepSpeed version, or :class:`UnsupportedVersionError` if it is missing or
-    outside the supported range."""
+    """The installed DeepSpeed version, checked against the supported range.
+
+    Args:
+        installed: the version to check; None for the installed distribution's.
+
+    Returns:
+        The version.
+
+    Raises:
+        UnsupportedVersionError: DeepSpeed is not installed, or its version is outside the range
+            of tierstore's ``deepspeed`` extra.
+    """
     version = _check_version("deepspeed", "deepspeed", installed, required=True)
     assert version is not None  # required: a missing DeepSpeed raised
     return version
 
 
 def check_huggingface_versions(installed: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The installed transformers/accelerate versions (those present), refused outside the
-    ``huggingface`` extra's range: they decide how the config reaches ``deepspeed.initialize``."""
+    """The installed transformers/accelerate versions, checked against the supported ranges: they
+    decide how the config reaches ``deepspeed.initialize``.
+
+    Args:
+        installed: the versions to check, by package name; None (or a package left out) for the
+            installed distribution's.
+
+    Returns:
+        By package name, the version of each of the two that is present.
+
+    Raises:
+        UnsupportedVersionError: a present one's version is outside the range of tierstore's
+            ``huggingface`` extra.
+    """
     found = {}
     for package in ("transformers", "accelerate"):
         version = _check_version(package, "huggingface", (installed or {}).get(package), required=False)
@@ -110,11 +143,24 @@ def check_huggingface_versions(installed: Mapping[str, str] | None = None) -> di
 
 
 def validate_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """The DeepSpeed config as a dict, checked for what tierstore needs; errors name the field.
+    """The DeepSpeed config as a dict, checked for what tierstore needs.
 
     ``"auto"`` (Hugging Face's placeholder) is accepted where DeepSpeed or ``Trainer`` resolves it
     and, in the ``tierstore`` section, means the field's default; in a field tierstore itself must
-    read (ZeRO stage, offload device and path, optimizer type) it is a :class:`ConfigError`.
+    read (ZeRO stage, offload device and path, optimizer type) it is refused.
+
+    Args:
+        config: the DeepSpeed config, as a mapping or the path of a JSON file.
+
+    Returns:
+        The config as a dict.
+
+    Raises:
+        ConfigError: the file cannot be read; or a bad ``tierstore`` section, a ZeRO stage other
+            than 3, an ``offload_optimizer`` without ``device: "nvme"`` and an ``nvme_path`` (or
+            with ``super_offload``), an optimizer type other than Adam/AdamW, ``fast_init`` with
+            NVMe parameter offload, or ``"auto"`` where tierstore must read the value. The
+            message names the field.
     """
     config = read_config(config)
     for field in _READ_BY_TIERSTORE:
@@ -149,7 +195,17 @@ def validate_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """A DeepSpeed config given as a mapping or a JSON file, as a dict."""
+    """A DeepSpeed config, as a dict.
+
+    Args:
+        config: a mapping, or the path of a JSON file.
+
+    Returns:
+        A shallow copy of the mapping, or the file's contents.
+
+    Raises:
+        ConfigError: the file cannot be read or is not JSON, or the config is not a mapping.
+    """
     if isinstance(config, (str, os.PathLike)):
         try:
             with open(config) as source:
@@ -181,8 +237,23 @@ def initialize(
     """``deepspeed.initialize`` with tierstore as the ZeRO-3 optimizer-state offload.
 
     Takes the same keyword arguments (``model``, ``model_parameters``, ``training_data``...) except
-    a client ``optimizer``: the config's Adam/AdamW section builds it. The config comes as
-    ``config`` or, as Accelerate passes it, ``config_params``.
+    a client ``optimizer``: the config's Adam/AdamW section builds it. With an ``activations``
+    entry in the ``tierstore`` section, the engine also offloads the activations its forward saves
+    (``engine.tierstore_activations``).
+
+    Args:
+        config: the DeepSpeed config (a mapping or the path of a JSON file), with a ``tierstore``
+            section (see :class:`TierstoreSection`).
+        config_params: the same, as Accelerate passes it; give exactly one of the two.
+        **kwargs: ``deepspeed.initialize``'s other keyword arguments, passed on.
+
+    Returns:
+        What ``deepspeed.initialize`` returns: ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    Raises:
+        UnsupportedVersionError: DeepSpeed is missing or outside the supported range.
+        ConfigError: a client ``optimizer`` is given, neither or both of ``config`` and
+            ``config_params`` are, or the config fails :func:`validate_config`.
     """
     check_deepspeed_version()
     if kwargs.get("optimizer") is not None:
@@ -213,7 +284,11 @@ def _stock_initialize(deepspeed: Any) -> Callable[..., Any]:
 
 
 def is_enabled() -> bool:
-    """Whether :func:`enable` has replaced ``deepspeed.initialize`` (and :func:`disable` not yet)."""
+    """Whether tierstore routes ``deepspeed.initialize``.
+
+    Returns:
+        True once :func:`enable` has replaced ``deepspeed.initialize`` and until :func:`disable`.
+    """
     return "initialize" in _replaced
 
 
@@ -222,6 +297,10 @@ def enable() -> None:
     has a ``tierstore`` section through :func:`initialize`; others reach DeepSpeed untouched.
 
     Idempotent. Checks the DeepSpeed version, and transformers/accelerate where installed.
+
+    Raises:
+        UnsupportedVersionError: DeepSpeed is missing, or it or an installed transformers or
+            accelerate is outside the supported range.
     """
     check_deepspeed_version()
     check_huggingface_versions()

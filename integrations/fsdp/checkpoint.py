@@ -61,6 +61,9 @@ class StateStream:
     Args:
         optimizer: the optimizer whose store holds the state; its kept sub-groups are written to
             the store first (saving) or forgotten (loading, which rewrites the store).
+
+    Raises:
+        StoreClosedError: the optimizer is closed.
     """
 
     def __init__(self, optimizer: FSDPOffloadedAdamW) -> None:
@@ -86,7 +89,11 @@ class StateStream:
 
     # -- the state dict ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's ``state_dict()`` with every state part a placeholder."""
+        """The optimizer's ``state_dict()`` with every state part a placeholder.
+
+        Returns:
+            The optimizer's state dict, each state part a placeholder sharded like its parameter.
+        """
         optimizer = self.optimizer
         state: dict[int, dict[str, Any]] = {}
         number = 0
@@ -111,7 +118,15 @@ class StateStream:
         return like_parameter(param, local)
 
     def which(self, tensor: torch.Tensor) -> _Placeholder | None:
-        """The placeholder ``tensor`` (or a view of it) stands for, or None for real data."""
+        """Which state a tensor stands for.
+
+        Args:
+            tensor: a tensor of a state dict (a ``DTensor``'s local tensor is looked at), or a view
+                of one.
+
+        Returns:
+            The placeholder it (or the tensor it views) is, or None for real data.
+        """
         if isinstance(tensor, DTensor):
             tensor = tensor._local_tensor
         if tensor.numel() and tensor.stride() and min(tensor.stride()) != 0:
@@ -120,7 +135,15 @@ class StateStream:
 
     # -- just-in-time copies -------------------------------------------------------------------------
     def read(self, placeholder: _Placeholder, out: torch.Tensor) -> torch.Tensor:
-        """Fill ``out`` (flat, the parameter's local numel) with the part's values from the store."""
+        """Fill a buffer with a placeholder's values from the store.
+
+        Args:
+            placeholder: the state part to read.
+            out: flat fp32, the parameter's local number of elements.
+
+        Returns:
+            ``out``.
+        """
         with self._lock:
             for sg, piece in self._pieces.get(placeholder.param, []):
                 row = self._row(sg, placeholder.part)
@@ -131,7 +154,13 @@ class StateStream:
         return out
 
     def write(self, placeholder: _Placeholder, flat_offset: int, values: torch.Tensor) -> None:
-        """Write ``values`` (flat) at ``flat_offset`` of the part's local shard into the store."""
+        """Write values of a placeholder's state part into the store.
+
+        Args:
+            placeholder: the state part to write.
+            flat_offset: where ``values`` start in the part's local shard, flattened.
+            values: flat fp32 values.
+        """
         end = flat_offset + values.numel()
         with self._lock:
             for sg, piece in self._pieces.get(placeholder.param, []):
@@ -171,7 +200,12 @@ class StateStream:
 class StreamingSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, resolving the optimizer's placeholders from the store when the
     storage writer asks for each (one parameter's local part at a time, into a buffer reused for
-    every item, so the writer's references to written tensors pin no memory)."""
+    every item, so the writer's references to written tensors pin no memory).
+
+    Args:
+        stream: the optimizer's state stream, whose placeholders the state dict holds.
+        **kwargs: ``DefaultSavePlanner``'s arguments.
+    """
 
     def __init__(self, stream: StateStream, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -198,7 +232,12 @@ class StreamingSavePlanner(DefaultSavePlanner):
 
 class StreamingLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, writing each chunk read for an optimizer placeholder into the
-    store (through a buffer of that chunk's size) instead of into a tensor of the state dict."""
+    store (through a buffer of that chunk's size) instead of into a tensor of the state dict.
+
+    Args:
+        stream: the optimizer's state stream, whose placeholders the state dict holds.
+        **kwargs: ``DefaultLoadPlanner``'s arguments.
+    """
 
     def __init__(self, stream: StateStream, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -275,10 +314,22 @@ def _replaced(optimizer: FSDPOffloadedAdamW, **methods: Any) -> Iterator[None]:
 def save(
     checkpoint_id: str | os.PathLike[str], model: nn.Module, optimizer: FSDPOffloadedAdamW, **extra: Any
 ) -> dict[str, int]:
-    """Save ``model`` and ``optimizer`` as one DCP checkpoint in ``checkpoint_id`` (a directory every
-    rank can reach), the optimizer state streamed from the store; every rank calls it. ``extra``
-    entries (plain values or tensors: a step counter, a data loader position) are saved beside.
-    Returns ``{"optimizer_bytes": ...}``: the state bytes this rank copied out of the store."""
+    """Save a model and its optimizer as one DCP checkpoint, the optimizer state streamed from the
+    store; every rank calls it.
+
+    Args:
+        checkpoint_id: a directory every rank can reach.
+        model: the FSDP2 model.
+        optimizer: the model's optimizer.
+        **extra: entries saved beside (plain values or tensors: a step counter, a data loader
+            position).
+
+    Returns:
+        ``{"optimizer_bytes": ...}``: the state bytes this rank copied out of the store.
+
+    Raises:
+        StoreClosedError: the optimizer is closed.
+    """
     stream = StateStream(optimizer)
     with _replaced(optimizer, state_dict=stream.state_dict):
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -295,10 +346,24 @@ def load(
     checkpoint_id: str | os.PathLike[str], model: nn.Module, optimizer: FSDPOffloadedAdamW, **extra: Any
 ) -> dict[str, Any]:
     """Load a :func:`save` (or any DCP checkpoint of ``get_state_dict``'s ``model``/``optimizer``
-    layout) into ``model`` and ``optimizer``, on any number of ranks; the optimizer state is
-    streamed into the store. ``extra``: entries to read back too, each given as a template (a
-    tensor of the saved shape); returns them loaded, with ``"optimizer_bytes"`` (state bytes this
-    rank wrote into the store)."""
+    layout) into a model and its optimizer, on any number of ranks; the optimizer state is
+    streamed into the store.
+
+    Args:
+        checkpoint_id: the checkpoint's directory.
+        model: the FSDP2 model to load into.
+        optimizer: the model's optimizer to load into.
+        **extra: entries to read back too, each given as a template (a tensor of the saved
+            shape).
+
+    Returns:
+        The ``extra`` entries loaded, by name, and ``"optimizer_bytes"``: the state bytes this
+        rank wrote into the store.
+
+    Raises:
+        BufferMismatchError: the checkpoint's parameter groups do not match the optimizer's.
+        StoreClosedError: the optimizer is closed.
+    """
     stream = StateStream(optimizer)
     with _replaced(optimizer, state_dict=stream.state_dict, load_state_dict=_restore_counts(optimizer)):
         model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -43,20 +43,35 @@ class FSDPSetupError(ConfigError):
 
 
 def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """The part of ``param`` this rank holds: a ``DTensor``'s local tensor (sharing its memory, so
-    writes into it update the parameter), or a plain tensor itself."""
+    """The part of ``param`` this rank holds.
+
+    Args:
+        param: a parameter, a ``DTensor`` or a plain tensor.
+
+    Returns:
+        A ``DTensor``'s local tensor (sharing its memory, so writes into it update the parameter),
+        or a plain tensor itself.
+    """
     if isinstance(param, DTensor):
         return param._local_tensor
     return param
 
 
 def check_fsdp_model(model: nn.Module) -> None:
-    """Refuse an FSDP2 setup this integration does not support, with an :class:`FSDPSetupError`
-    naming the module: ``CPUOffloadPolicy`` moves the sharded parameters and their gradients to host
-    memory and leaves the optimizer step to run there on FSDP's copies; tierstore offloads the
-    optimizer state only (beyond RAM) and needs the parameters where FSDP computes with them.
-    ``model`` is the module ``fully_shard`` was applied to (any of its sub-modules may be sharded
-    too)."""
+    """Refuse an FSDP2 setup this integration does not support.
+
+    ``CPUOffloadPolicy`` moves the sharded parameters and their gradients to host memory and leaves
+    the optimizer step to run there on FSDP's copies; tierstore offloads the optimizer state only
+    (beyond RAM) and needs the parameters where FSDP computes with them.
+
+    Args:
+        model: the module ``fully_shard`` was applied to (any of its sub-modules may be sharded
+            too).
+
+    Raises:
+        FSDPSetupError: a module is sharded with ``fully_shard(offload_policy=CPUOffloadPolicy())``;
+            the message names it.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     for name, module in model.named_modules():
@@ -80,17 +95,38 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         params: the model itself (its parameters, and :func:`check_fsdp_model` runs on it), or its
             parameters or parameter groups as for ``torch.optim.AdamW``; call ``fully_shard`` first.
         store: this rank's store (each rank opens its own, e.g. on its own directory).
-        namespace: the state's key prefix, claimed on the store; default ``rank<N>/adamw`` with
+        lr: the learning rate.
+        betas: the coefficients of the running averages of the gradient and its square, each in
+            [0, 1).
+        eps: added to the denominator for numerical stability.
+        weight_decay: the decoupled weight decay coefficient.
+        amsgrad: keep the running maximum of the second moment (AMSGrad).
+        maximize: maximize the objective instead of minimizing it.
+        sub_group_size: local (this rank's) parameter elements per sub-group.
+        max_grad_norm: clip the global gradient norm (over all ranks) to this; None for no
+            clipping.
+        dram_budget: bytes of this rank's fp32 DRAM for the state (read-ahead ring, gradient
+            buffer, kept sub-groups); None for the ring and the gradient buffer only.
+        prefetch_depth: sub-groups read ahead of the one being updated.
+        cache_policy: which sub-groups stay in DRAM between steps: ``"model"``, ``"static"`` or
+            ``"none"`` (as :class:`~tierstore.optimizer.OffloadedAdamW`'s).
+        namespace: the state's key prefix, claimed on the store; None for ``rank<N>/adamw`` with
             this rank's number, so ranks sharing one store never meet.
-        process_group: the group the gradient norm is summed over; default the parameters' mesh's.
+        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
+            torch's setting (at least one).
+        process_group: the group the gradient norm is summed over; None for the parameters'
+            mesh's.
 
-    The other arguments are :class:`~tierstore.optimizer.OffloadedAdamW`'s; ``dram_budget``
-    bounds this rank's fp32 DRAM for the state, ``sub_group_size`` counts local elements.
-
-    Raises :class:`FSDPSetupError` if no parameter is a ``DTensor`` (the model is not sharded), for
-    ``DTensor`` parameters sharded otherwise than by rows over a 1-D mesh (HSDP, tensor
-    parallelism), on different meshes, on a device other than the CPU, of mixed dtypes (some
-    shards fp32, some not), or a ``CPUOffloadPolicy`` model.
+    Raises:
+        FSDPSetupError: no parameter is a ``DTensor`` (the model is not sharded); ``DTensor``
+            parameters sharded otherwise than by rows over a 1-D mesh (HSDP, tensor
+            parallelism), on different meshes, or on a device other than the CPU; parameters of
+            mixed dtypes (some shards fp32, some not); or a ``CPUOffloadPolicy`` model.
+        ConfigError: a hyper-parameter or staging argument of the wrong type or out of range
+            (the message names it), or a parameter listed twice.
+        CapacityError: ``dram_budget`` is below the working set, or does not fit beside the
+            store's other reservations.
+        NamespaceInUseError: ``namespace`` is already claimed on the store.
     """
 
     SHARDED_PARAMETERS = None
@@ -167,13 +203,28 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
 
     @property
     def fp32_shards(self) -> bool:
-        """True if the shards are fp32 and are their own master weights (only the moments are
-        staged); False if the store holds fp32 masters for low-precision shards."""
+        """Whether the shards are fp32 and their own master weights.
+
+        True: only the moments are staged; False: the store holds fp32 masters for low-precision
+        shards.
+        """
         return self._fp32_shards
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As :meth:`~tierstore.optimizer.StagedOptimizer.add_param_group`; the group's parameters
-        must be sharded like the others (same mesh, same shard dtype class)."""
+        """As :meth:`~tierstore.optimizer.StagedOptimizer.add_param_group`, for parameters sharded
+        like the others.
+
+        Args:
+            param_group: ``params`` and the group's hyper-parameters; keys it leaves out take the
+                constructor's values.
+
+        Raises:
+            FSDPSetupError: the group's parameters are on another mesh, or their shards' dtype
+                (fp32 or not) differs from the others'.
+            ConfigError: a parameter listed twice, or an invalid hyper-parameter.
+            CapacityError: a given ``dram_budget`` cannot hold the new sub-groups.
+            StoreClosedError: the optimizer is closed.
+        """
         if hasattr(self, "stager"):
             params = param_group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -283,10 +334,20 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
 
     # -- state dicts: DTensors sharded like the parameters ------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :meth:`~tierstore.optimizer.StagedOptimizer.load_state_dict`, for a dict keyed as
-        ``torch.optim`` keys it or by whatever ids its groups list: the fully-qualified names that
-        ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes (each group's ``params``
-        give the order, as ``torch.optim.Optimizer.load_state_dict`` takes them)."""
+        """As :meth:`~tierstore.optimizer.StagedOptimizer.load_state_dict`, for a dict keyed by
+        whatever ids its groups list.
+
+        Args:
+            state_dict: keyed as ``torch.optim`` keys it, or by the fully-qualified names that
+                ``torch.distributed.checkpoint.state_dict.set_state_dict`` passes (each group's
+                ``params`` give the order, as ``torch.optim.Optimizer.load_state_dict`` takes
+                them); its state parts are tensors, or ``DTensor``s, sharded like the parameters.
+
+        Raises:
+            BufferMismatchError: the dict's groups, parameters or local shard shapes do not match
+                this optimizer's; nothing is restored.
+            StoreClosedError: the optimizer is closed.
+        """
         super().load_state_dict(by_position(state_dict))
 
     def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
@@ -344,8 +405,15 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         return gathered
 
     def master_params(self) -> list[torch.Tensor]:
-        """The fp32 master weights of this rank's shards, one tensor per parameter, sharded like it
-        (``DTensor``s for sharded parameters)."""
+        """The fp32 master weights of this rank's shards.
+
+        Returns:
+            One fp32 tensor per parameter, sharded like it (a ``DTensor`` for a sharded
+            parameter).
+
+        Raises:
+            StoreClosedError: the optimizer is closed.
+        """
         self._check_open()
         masters = [torch.empty(local_shard(p).shape, dtype=torch.float32) for p in self.params]
         for sg in self.subgroups:
@@ -384,8 +452,16 @@ def _starts(counts: list[int]) -> list[int]:
 
 
 def like_parameter(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's part) as a tensor sharded like ``param``: a ``DTensor`` with its mesh,
-    placements, global shape and stride for a ``DTensor`` parameter, else ``local`` itself."""
+    """A local tensor as a tensor sharded like a parameter.
+
+    Args:
+        param: the parameter whose sharding to take.
+        local: this rank's part, of ``param``'s local shape.
+
+    Returns:
+        For a ``DTensor`` parameter, a ``DTensor`` over ``local`` with its mesh, placements,
+        global shape and stride; else ``local`` itself.
+    """
     if not isinstance(param, DTensor):
         return local
     return DTensor.from_local(
