@@ -152,16 +152,17 @@ class OffloadedAdamW(StagedOptimizer):
 
     def _adamw(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
         group = self.param_groups[sg.group]
-        rows = self._rows(sg, state)
-        windows: dict[str, list[torch.Tensor]] = {part: [] for part in rows}
-        steps = []
-        for piece, _ in grads:
-            for part, row in rows.items():
-                windows[part].append(row[piece.offset : piece.offset + piece.length])
-            steps.append(torch.tensor(float(self.param_steps[piece.param])))  # its own bias correction
+        windows = {
+            part: [row[piece.offset : piece.offset + piece.length] for piece, _ in grads]
+            for part, row in self._rows(sg, state).items()
+        }
+        steps = [
+            torch.tensor(float(self.param_steps[piece.param])) for piece, _ in grads
+        ]  # own bias corrections
+        weights = self._updated_weights(grads, windows)
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(  # torch.optim.AdamW(fused=True)'s arithmetic; a step count per tensor
-            windows["master_param"],
+            weights,
             [grad for _, grad in grads],
             windows["exp_avg"],
             windows["exp_avg_sq"],
@@ -177,8 +178,19 @@ class OffloadedAdamW(StagedOptimizer):
             grad_scale=None,
             found_inf=None,
         )
-        for (piece, _), weights in zip(grads, windows["master_param"], strict=True):
-            self._copy_to_model(piece, weights)
+        self._updated(grads, weights)
+
+    def _updated_weights(
+        self, grads: list[tuple[Piece, torch.Tensor]], windows: dict[str, list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """The weights the kernel updates in place, one per piece of ``grads``: the fp32 master
+        windows of the sub-group's state (``windows``: each state part's windows, per piece)."""
+        return windows["master_param"]
+
+    def _updated(self, grads: list[tuple[Piece, torch.Tensor]], weights: list[torch.Tensor]) -> None:
+        """After the kernel: the updated weights into the model's parameters."""
+        for (piece, _), updated in zip(grads, weights, strict=True):
+            self._copy_to_model(piece, updated)
 
     # -- state plumbing -----------------------------------------------------------------------------
     def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:

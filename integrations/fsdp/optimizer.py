@@ -300,37 +300,19 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         flat = local_shard(self.params[piece.param].data).view(-1)
         return flat[piece.param_offset : piece.param_offset + piece.length]
 
-    def _adamw(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
+    def _updated_weights(
+        self, grads: list[tuple[Piece, torch.Tensor]], windows: dict[str, list[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Fp32 shards are their own master weights: the kernel updates the shards' windows in
+        place (the state holds the moments only)."""
         if not self._fp32_shards:
-            super()._adamw(sg, state, grads)
-            return
-        group = self.param_groups[sg.group]
-        rows = self._rows(sg, state)
-        windows: dict[str, list[torch.Tensor]] = {part: [] for part in rows}
-        masters, steps = [], []
-        for piece, _ in grads:
-            for part, row in rows.items():
-                windows[part].append(row[piece.offset : piece.offset + piece.length])
-            masters.append(self._shard_window(piece))
-            steps.append(torch.tensor(float(self.param_steps[piece.param])))
-        beta1, beta2 = group["betas"]
-        torch._fused_adamw_(  # as OffloadedAdamW's kernel, the shard updated in place
-            masters,
-            [grad for _, grad in grads],
-            windows["exp_avg"],
-            windows["exp_avg_sq"],
-            windows.get("max_exp_avg_sq", []),
-            steps,
-            amsgrad=group["amsgrad"],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=None,
-            found_inf=None,
-        )
+            return super()._updated_weights(grads, windows)
+        return [self._shard_window(piece) for piece, _ in grads]
+
+    def _updated(self, grads: list[tuple[Piece, torch.Tensor]], weights: list[torch.Tensor]) -> None:
+        """Fp32 shards were updated in place; low-precision ones receive the new masters."""
+        if not self._fp32_shards:
+            super()._updated(grads, weights)
 
     # -- state dicts: DTensors sharded like the parameters ------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
