@@ -149,6 +149,7 @@ def rank_main(run: dict[str, Any]) -> None:
         # the most a step raised the RSS above what the process had right before it (torch's first
         # step allocates its whole state)
         "optimizer_step_rss_added_bytes": 1024 * max(step_peaks),
+        "each_step_rss_added_bytes": [1024 * peak for peak in step_peaks],
     }
     # the optimizer's memory at its peak: both together
     figures["optimizer_rss_added_bytes"] = (
