@@ -56,3 +56,25 @@ def test_memory_budget_below_the_cache_is_a_config_error(tmp_path: Path) -> None
     }
     with TierStore.from_config(config) as store:
         assert store.stats()["memory"]["budget_bytes"] == 64 * MIB
+
+
+@pytest.mark.parametrize(
+    ("owner", "budget", "pool_bytes", "error"),
+    [
+        ("", 1 << 20, None, "owner"),
+        (3, 1 << 20, None, "owner"),
+        ("worker", True, None, "budget"),
+        ("worker", 1.5, None, "budget"),
+        ("worker", -1, None, "budget"),
+        ("worker", 1 << 20, True, "pool_bytes"),
+        ("worker", 1 << 20, -4096, "pool_bytes"),
+    ],
+)
+def test_staging_refuses_bad_arguments_and_reserves_nothing(
+    tmp_path: Path, owner: object, budget: object, pool_bytes: object, error: str
+) -> None:
+    with store_with(tmp_path, None) as store:
+        held = store.memory.held()
+        with pytest.raises(ConfigError, match=error):
+            store.staging(owner, budget, pool_bytes=pool_bytes)  # type: ignore[arg-type]
+        assert store.memory.held() == held

@@ -17,8 +17,9 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+from ._checks import is_integer
 from .buffers import AlignedBuffer, BufferPool, Lease, round_up
-from .errors import CapacityError
+from .errors import CapacityError, ConfigError
 from .memory import MemoryLedger, Reservation
 
 
@@ -42,9 +43,10 @@ class StagingArea:
             the budget rounded up to whole pages (the pool carves whole pages).
 
     Raises:
+        ConfigError: ``owner`` is not a non-empty string, or ``budget`` or ``pool_bytes`` is not
+            a number of bytes >= 0 (a bool is refused).
         CapacityError: the budget does not fit beside the other workloads' reservations (the
-            message names who holds what), the budget is negative, or ``pool_bytes`` is negative
-            or above the budget.
+            message names who holds what), or ``pool_bytes`` is above the budget.
     """
 
     def __init__(
@@ -154,8 +156,9 @@ class StagingArea:
             pool_bytes: the pool's share of it, as the constructor's ``pool_bytes``.
 
         Raises:
-            CapacityError: the difference does not fit the ledger, the budget is negative, or
-                ``pool_bytes`` is negative or above the budget.
+            ConfigError: ``budget`` or ``pool_bytes`` is not a number of bytes >= 0.
+            CapacityError: the difference does not fit the ledger, or ``pool_bytes`` is above the
+                budget.
         """
         pool_bytes = _checked_pool_bytes(self.owner, budget, pool_bytes)
         reservation = self.ledger.reserve(self.owner, budget, replacing=self._reservation)
@@ -172,10 +175,18 @@ class StagingArea:
         self._unreserve()
 
 
-def _checked_pool_bytes(owner: str, budget: int, pool_bytes: int | None) -> int:
-    """The pool's capacity: ``pool_bytes``, or the budget (whose own check is the ledger's)."""
+def _checked_pool_bytes(owner: object, budget: object, pool_bytes: object) -> int:
+    """The pool's capacity: ``pool_bytes``, or the budget; a :class:`ConfigError` names a bad
+    argument (a bool is no number of bytes), a :class:`CapacityError` a pool larger than the
+    budget."""
+    if not isinstance(owner, str) or not owner:
+        raise ConfigError(f"staging: owner must be a non-empty string, not {owner!r}")
+    if not is_integer(budget) or budget < 0:
+        raise ConfigError(f"{owner}: budget must be a number of bytes >= 0, not {budget!r}")
     if pool_bytes is None:
-        return budget
-    if not 0 <= pool_bytes <= round_up(max(budget, 0)):
+        return int(budget)
+    if not is_integer(pool_bytes) or pool_bytes < 0:
+        raise ConfigError(f"{owner}: pool_bytes must be None or a number of bytes >= 0, not {pool_bytes!r}")
+    if pool_bytes > round_up(budget):
         raise CapacityError(f"{owner}: a pool of {pool_bytes} bytes does not fit a budget of {budget} bytes")
-    return pool_bytes
+    return int(pool_bytes)

@@ -243,6 +243,7 @@ class TierStore(Closeable):
             The staging area; close it to give the budget back.
 
         Raises:
+            ConfigError: ``owner``, ``budget`` or ``pool_bytes`` of the wrong type or range.
             CapacityError: the budget does not fit beside the other workloads' reservations.
         """
         self._check_open()
