@@ -33,14 +33,18 @@ class KeyedSerializer:
             except BaseException as error:
                 result.set_exception(error)
 
+        result.add_done_callback(lambda done: self._forget(key, done))  # before anyone can see it
         with self._lock:
             previous = self._tails.get(key)
             self._tails[key] = result
-        if previous is None:
-            self._executor.submit(run)
-        else:
-            previous.add_done_callback(lambda _: self._executor.submit(run))
-        result.add_done_callback(lambda done: self._forget(key, done))
+        try:
+            if previous is None:
+                self._executor.submit(run)
+            else:
+                previous.add_done_callback(lambda _: self._executor.submit(run))
+        except BaseException:  # a Ctrl-C here: never scheduled, so nobody may wait for it
+            result.cancel()
+            raise
         return result
 
     def pending(self, key: str) -> bool:
