@@ -20,7 +20,7 @@ def test_an_operation_interrupted_while_submitted_is_cancelled_and_never_waited_
     def interrupted(fn: Any, *args: Any) -> Future[Any]:
         raise KeyboardInterrupt
 
-    serializer._executor.submit = interrupted  # type: ignore[method-assign]
+    serializer._executor.submit = interrupted  # type: ignore[method-assign,assignment]
     with pytest.raises(KeyboardInterrupt):
         serializer.submit("k", lambda: "lost")
     serializer._executor.submit = schedule  # type: ignore[method-assign]
