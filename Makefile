@@ -72,8 +72,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_activations.py --repeats 3 --output benchmarks/results/activations.json
 	$(BIN)/python benchmarks/bench_checkpoint.py --repeats 3 --output benchmarks/results/checkpoint.json
 	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
-	$(BIN)/python benchmarks/bench_fsdp.py --width 1024 --layers 8 --steps 4 --repeats 2 --sub-group-size 2000000 \
-		--dram-budget 67108864 --output benchmarks/results/fsdp.json
+	$(BIN)/python benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 --plot benchmarks/results/beyond_memory.png \
 		--output benchmarks/results/beyond_memory.json
 	$(BIN)/python benchmarks/figures.py README.md docs/performance.md docs/fsdp.md

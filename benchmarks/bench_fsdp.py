@@ -5,14 +5,15 @@ Both sides train the same GPT (``tierstore.demo.GPT``, no dropout) sharded with 
 2 gloo ranks (2 processes each), on the same batches, fp32 parameters (the optimizer state is the
 Adam moments: 8 bytes per parameter; ``--setup bf16`` gives bf16 parameters, whose fp32 masters
 tierstore keeps in the store too). The sides alternate (A B, B A, ...) ``--repeats`` times. Each rank
-reports its peak RSS (the kernel's VmHWM) and the RSS the optimizer's state adds (peak during the
-steps minus the RSS before the first step, the gradients already allocated), the step time split
-(forward + backward, optimizer step; for tierstore also the time its step spent computing rather
-than waiting on the store), the bytes its store moved, and the DCP save and load time of a
-checkpoint (model + optimizer state; tierstore's streamed through :func:`tierstore.integrations.fsdp.save`
-and ``load``, torch's through ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict``) with
-the peak RSS each adds. Figures are medians over steady-state steps (every step after the first)
-and repeats, tierstore's beside torch's as ratios.
+reports its peak RSS (the kernel's VmHWM) and the RSS the optimizer's state adds (the peak while the
+optimizer is built and during its steps, minus the RSS before it was built, the gradients already
+allocated), the step time split (forward + backward, optimizer step; for tierstore also the time
+its step spent computing rather than waiting on the store), the bytes its store moved, and the DCP
+save and load time of a checkpoint (model + optimizer state; tierstore's streamed through
+:func:`tierstore.integrations.fsdp.save` and ``load``, torch's through ``get_state_dict`` +
+``dcp.save`` / ``dcp.load`` + ``set_state_dict``) with the peak RSS each adds. Figures are medians
+over steady-state steps (every step after the first) and repeats, tierstore's beside torch's as
+ratios.
 
     python benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json                  # full size
     python benchmarks/bench_fsdp.py --width 512 --layers 4 --steps 4 --repeats 1 --output ... # short
@@ -105,6 +106,7 @@ def rank_main(run: dict[str, Any]) -> None:
     first = forward_backward(0)  # the gradients exist before the optimizer does
     trim()
     baseline = memory_kib("VmRSS")
+    reset_peak()
     store = None
     if run["side"] == "tierstore":
         directory = Path(run["dir"]) / f"rank{rank}"
@@ -117,6 +119,7 @@ def rank_main(run: dict[str, Any]) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         state_bytes = 8 * sum(fsdp.local_shard(p).numel() for p in model.parameters())
     built = memory_kib("VmRSS")
+    highest = memory_kib("VmHWM")  # the process's peak with the optimizer in it, building included
     rows = []
     step_peaks = []
     for step in range(run["steps"]):
@@ -129,6 +132,7 @@ def rank_main(run: dict[str, Any]) -> None:
         optimizer.step()
         done = time.perf_counter()
         step_peaks.append(memory_kib("VmHWM") - before)
+        highest = max(highest, memory_kib("VmHWM"))
         optimizer.zero_grad(set_to_none=True)
         row = {
             "step": step + 1,
@@ -147,14 +151,14 @@ def rank_main(run: dict[str, Any]) -> None:
         # what building the optimizer made resident (its staging buffers; nothing for torch's)
         "optimizer_built_rss_added_bytes": 1024 * (built - baseline),
         # the most a step raised the RSS above what the process had right before it (torch's first
-        # step allocates its whole state)
+        # step allocates its whole state); a step can raise it by what the step before gave back
         "optimizer_step_rss_added_bytes": 1024 * max(step_peaks),
         "each_step_rss_added_bytes": [1024 * peak for peak in step_peaks],
+        # the optimizer's memory at its peak: the process's highest RSS while building it and
+        # during every step, above the RSS before it existed (the gradients already allocated,
+        # and the C heap trimmed at both ends, so what forward and backward freed is not counted)
+        "optimizer_rss_added_bytes": 1024 * (highest - baseline),
     }
-    # the optimizer's memory at its peak: both together
-    figures["optimizer_rss_added_bytes"] = (
-        figures["optimizer_built_rss_added_bytes"] + figures["optimizer_step_rss_added_bytes"]
-    )
     checkpoint = Path(run["dir"]) / "checkpoint"
     dist.barrier()
     trim()

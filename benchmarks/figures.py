@@ -41,8 +41,7 @@ COMMANDS: dict[str, str] = {
     "activations": "benchmarks/bench_activations.py --repeats 3 --output benchmarks/results/activations.json",
     "checkpoint": "benchmarks/bench_checkpoint.py --repeats 3 --output benchmarks/results/checkpoint.json",
     "scale": "benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json",
-    "fsdp": "benchmarks/bench_fsdp.py --width 1024 --layers 8 --steps 4 --repeats 2 --sub-group-size 2000000 "
-    "--dram-budget 67108864 --output benchmarks/results/fsdp.json",
+    "fsdp": "benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json",
     "beyond_memory": "benchmarks/bench_beyond_memory.py --save-steps 3 "
     "--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json",
 }
@@ -374,9 +373,21 @@ def fsdp(data: dict[str, Any]) -> str:
             _f(checkpoint["tierstore"]["dcp_load_s"]["median"]),
             _x(ratio["dcp_load_s"]),
         ],
+        [
+            "RSS a DCP save adds",
+            mb(memory["torch"]["dcp_save_rss_added_bytes"]),
+            mb(memory["tierstore"]["dcp_save_rss_added_bytes"]),
+            "",
+        ],
     ]
-    return _table(
+    table = _table(
         ["per rank", "FSDP2 + torch AdamW (state in RAM)", "FSDP2 + tierstore", "tierstore / torch"], rows
+    )
+    budget = data["metadata"]["dram_budget_bytes"]
+    return table + (
+        f"\nThe optimizer's RSS is {_x(summary['optimizer_rss_added_over_budget'])} its DRAM budget of "
+        f"{mb(budget)}; its step takes {_x(summary['tierstore_step_over_device_busy'])} the time the "
+        "store's disk was busy during it.\n"
     )
 
 

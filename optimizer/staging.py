@@ -286,6 +286,21 @@ class SubGroupStager:
         while self._writes:
             self._reclaim(block=True)
 
+    def lend_ring(self) -> list[torch.Tensor]:
+        """The read-ahead ring's buffers, idle, for a caller that streams the whole state through
+        the optimizer's own DRAM (a checkpoint): any pass is ended, the kept sub-groups written back
+        and forgotten, and every write waited for, so the store holds the whole state. The caller
+        may use the buffers until the next :meth:`begin_pass` or :meth:`acquire`; the pool's
+        buffers are all free meanwhile.
+
+        Returns:
+            The ring's ``prefetch_depth`` buffers of the largest sub-group's size each.
+        """
+        self.end_pass()
+        self.flush()
+        self.drop_resident()
+        return list(self.buffers)
+
     def key(self, name: Hashable) -> str:
         return self.claim.key(str(name))
 

@@ -122,6 +122,12 @@ def open_store(run: dict[str, Any], rank: int) -> TierStore:
     return TierStore([Tier("state", backend)], cache_budget=0)
 
 
+def tier_bytes(store: TierStore) -> dict[str, int]:
+    """The bytes the store's tier has read and written so far."""
+    tier = store.stats()["tiers"]["state"]
+    return {"bytes_read": int(tier["bytes_read"]), "bytes_written": int(tier["bytes_written"])}
+
+
 def memory_kib(field: str) -> int:
     """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in KiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -247,7 +253,14 @@ def main() -> None:
         result["state_per_element"] = sum(optimizer.state_numel(sg) for sg in optimizer.subgroups) / local
         first = 0
         if run.get("resume"):
+            before = tier_bytes(store)
             first = load(run, model, optimizer)
+            after = tier_bytes(store)
+            result["load_bytes"] = {
+                "read": after["bytes_read"] - before["bytes_read"],
+                "written": after["bytes_written"] - before["bytes_written"],
+                "state": 4 * sum(optimizer.state_numel(sg) for sg in optimizer.subgroups),
+            }
         losses = []
         for step in range(first, run["steps"]):
             losses.append(train_step(model, optimizer, run, step))

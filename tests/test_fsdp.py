@@ -159,13 +159,17 @@ def test_model_mixing_sharded_and_unsharded_modules(scratch: Path) -> None:
 
 
 def test_dcp_resume_on_two_ranks_is_exact(scratch: Path, straight: Run) -> None:
-    """dcp.load of step 5 in new processes continues as the uninterrupted run did, to the bit."""
+    """dcp.load of step 5 in new processes continues as the uninterrupted run did, to the bit, and
+    streams the state into the store without reading it back or writing a sub-group twice."""
     reference, trained = straight
     result, resumed = launch(
         scratch, "resume-2", setup="fp32", clip="torch", resume=True, checkpoint=str(scratch / "checkpoint-2")
     )
     assert result["losses"] == reference["losses"][SAVE_AT:]
     assert largest_error(resumed, trained) == 0.0
+    # the checkpoint rewrites every sub-group whole: none is read first, each is written once
+    moved = result["load_bytes"]
+    assert (moved["read"], moved["written"]) == (0, moved["state"])
 
 
 def test_dcp_resume_on_one_rank_reshards(scratch: Path, straight: Run) -> None:

@@ -12,8 +12,10 @@ parameters, and a checkpoint saved on N ranks loads on M (DCP reshards it). What
 ``dcp.save(get_state_dict(...))`` is memory: the optimizer's entries are placeholders (no memory of
 their own) that :class:`StreamingSavePlanner` fills when DCP writes each of them, reading the
 sub-groups that hold it from the store, and :class:`StreamingLoadPlanner` writes each chunk DCP reads
-straight into the sub-groups in the store. At most one sub-group and one parameter's local shard
-of state are in memory beyond the optimizer's DRAM budget, whatever the state's size.
+straight into the sub-groups in the store. The sub-groups pass through the optimizer's own
+staging buffers, and DCP's entries are written from its idle staging pool where they fit: the state
+streams within the optimizer's DRAM budget, whatever its size (beyond it only one parameter's local
+shard of one state part, where that does not fit the pool), and a load writes each sub-group once.
 
 Plain ``get_state_dict`` / ``set_state_dict`` with ``dcp.save`` / ``dcp.load`` work too; they hold this
 rank's whole state in memory while saving or loading, as torch's own optimizers do.
@@ -21,24 +23,27 @@ rank's whole state in memory while saving or loading, as torch's own optimizers 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from tierstore.optimizer import SubGroup
+from tierstore.optimizer import Piece, SubGroup
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, WriteItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from tierstore.buffers import aligned_tensor
+from tierstore.buffers import AlignedBuffer
 
 from .optimizer import FSDPOffloadedAdamW, by_position, like_parameter, local_shard
 
@@ -58,6 +63,12 @@ class StateStream:
     (stride-0 tensors of the right shape and dtype, one fp32 value each) and the just-in-time copy
     of one parameter's part between the store and a DCP buffer.
 
+    The sub-groups pass through the optimizer's own read-ahead ring (:meth:`SubGroupStager.lend_ring`),
+    memory its DRAM budget already counts: a sub-group read for one entry stays there for the
+    entries after it, and the one held longest unused makes room for the next. A load knows its
+    read plan (:meth:`expect`): a sub-group the plan writes whole is not read from the store first,
+    and is written back as soon as its last value arrives.
+
     Args:
         optimizer: the optimizer whose store holds the state; its kept sub-groups are written to
             the store first (saving) or forgotten (loading, which rewrites the store).
@@ -70,20 +81,17 @@ class StateStream:
         self.optimizer = optimizer
         self.placeholders: dict[int, _Placeholder] = {}
         """By the placeholder's local tensor's data pointer (DCP hands back views of it)."""
-        self._pieces: dict[int, list[tuple[SubGroup, Any]]] = {}
+        self._pieces: dict[int, list[tuple[SubGroup, Piece]]] = {}
         for sg in optimizer.subgroups:
             for piece in sg.pieces:
                 self._pieces.setdefault(piece.param, []).append((sg, piece))
         optimizer._check_open()
-        optimizer.stager.flush()  # the store holds the whole state; the DRAM copies are let go so
-        optimizer.stager.drop_resident()  # that a load rewriting the store leaves none stale
-        self._memory = aligned_tensor(
-            max((optimizer.state_numel(sg) for sg in optimizer.subgroups), default=1)
-        )
-        """The one sub-group's state read from the store (reused: no allocation per sub-group)."""
-        self._held: tuple[int, torch.Tensor] | None = None
-        """The index of the sub-group in :attr:`_memory`, and its state there."""
-        self._dirty = False
+        self._window = _Window(optimizer, optimizer.stager.lend_ring())
+        self._unwritten: dict[int, int] = {}
+        """Load: values of each sub-group the plan still has to write (a sub-group listed here is
+        written whole by the plan)."""
+        self._lent: list[AlignedBuffer] = []
+        """Staging-pool memory lent for DCP's entries (:meth:`lend`)."""
         self._lock = threading.Lock()
         self.bytes_moved = 0
 
@@ -133,6 +141,39 @@ class StateStream:
             return None
         return self.placeholders.get(tensor.data_ptr())
 
+    def subgroups_of(self, placeholder: _Placeholder, runs: Iterable[tuple[int, int]]) -> dict[int, int]:
+        """The sub-groups that values of a placeholder's part lie in.
+
+        Args:
+            placeholder: the state part.
+            runs: ``(start, count)`` runs of values, flat in the parameter's local shard.
+
+        Returns:
+            Values per sub-group index, in sub-group order.
+        """
+        found: dict[int, int] = {}
+        for sg, piece in self._pieces.get(placeholder.param, []):
+            for start, count in runs:
+                piece_end = piece.param_offset + piece.length
+                overlap = min(start + count, piece_end) - max(start, piece.param_offset)
+                if overlap > 0:
+                    found[sg.index] = found.get(sg.index, 0) + overlap
+        return dict(sorted(found.items()))
+
+    def expect(self, written: dict[int, int]) -> None:
+        """Tell a load which values its plan writes, so that sub-groups written whole skip their
+        read and go back to the store as soon as they are complete.
+
+        Args:
+            written: values the plan writes per sub-group index (read items never overlap).
+        """
+        with self._lock:
+            self._unwritten = {
+                index: count
+                for index, count in written.items()
+                if count == self.optimizer.state_numel(self.optimizer.subgroups[index])
+            }
+
     # -- just-in-time copies -------------------------------------------------------------------------
     def read(self, placeholder: _Placeholder, out: torch.Tensor) -> torch.Tensor:
         """Fill a buffer with a placeholder's values from the store.
@@ -146,7 +187,7 @@ class StateStream:
         """
         with self._lock:
             for sg, piece in self._pieces.get(placeholder.param, []):
-                row = self._row(sg, placeholder.part)
+                row = self.optimizer._rows(sg, self._window.state(sg))[placeholder.part]
                 out[piece.param_offset : piece.param_offset + piece.length].copy_(
                     row[piece.offset : piece.offset + piece.length]
                 )
@@ -168,33 +209,124 @@ class StateStream:
                 stop = min(end, piece.param_offset + piece.length)
                 if start >= stop:
                     continue
-                row = self._row(sg, placeholder.part)
+                whole = sg.index in self._unwritten
+                state = self._window.state(sg, read=not whole or self._window.visited(sg))
+                row = self.optimizer._rows(sg, state)[placeholder.part]
                 at = piece.offset + start - piece.param_offset
                 row[at : at + stop - start].copy_(values[start - flat_offset : stop - flat_offset])
-                self._dirty = True
+                self._window.changed(sg)
                 self.bytes_moved += 4 * (stop - start)
+                if whole:
+                    self._unwritten[sg.index] -= stop - start
+                    if not self._unwritten[sg.index]:
+                        del self._unwritten[sg.index]
+                        self._window.write_back(sg)
 
-    def _row(self, sg: SubGroup, part: str) -> torch.Tensor:
-        """The part's row of sub-group ``sg``, the sub-group read from the store if it is not the
-        one held (the held one written back first if it changed)."""
-        if self._held is None or self._held[0] != sg.index:
-            self._release()
-            numel = self.optimizer.state_numel(sg)
-            key = self.optimizer.stager.key(sg.index)
-            state = self.optimizer.store.get(key, out=self._memory[:numel], cache=False).result()
-            self._held = (sg.index, state)
-        return self.optimizer._rows(sg, self._held[1])[part]
+    def lend(self, nbytes: int) -> memoryview:
+        """Memory for the values of one entry DCP writes: from the optimizer's staging pool, idle
+        while the state streams through the ring, where it has room (so a save holds no memory
+        beyond the optimizer's budget), else of its own. Given back at :meth:`finish`.
 
-    def _release(self) -> None:
-        if self._held is not None and self._dirty:
-            index, state = self._held
-            self.optimizer.store.put(self.optimizer.stager.key(index), state, cache=False).result()
-        self._held, self._dirty = None, False
+        Args:
+            nbytes: the size in bytes.
+
+        Returns:
+            ``nbytes`` of writable memory.
+        """
+        area = self.optimizer.stager.area
+        with self._lock:
+            block = area.try_acquire(nbytes) if area.fits(nbytes) else None
+            if block is None:
+                return memoryview(bytearray(nbytes))
+            self._lent.append(block)
+            return block.memoryview(nbytes)
 
     def finish(self) -> None:
-        """Write the held sub-group back if a load changed it, and let it go."""
+        """Write back what a load changed and wait for it (the store then holds the whole state),
+        and give back the memory lent for entries. Idempotent."""
         with self._lock:
-            self._release()
+            self._window.close()
+            for block in self._lent:
+                self.optimizer.stager.area.release(block)
+            self._lent.clear()
+
+
+class _Window:
+    """Sub-groups' states held in lent buffers, the least recently used making room for the next;
+    a changed one is written back (in the background) when it leaves.
+
+    Args:
+        optimizer: whose store holds the sub-groups.
+        buffers: the memory to hold them in, each the size of the largest sub-group's state.
+    """
+
+    def __init__(self, optimizer: FSDPOffloadedAdamW, buffers: list[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self._free = buffers
+        self._held: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        """Sub-group index -> (its buffer, its state in it), least recently used first."""
+        self._changed: set[int] = set()
+        self._writes: deque[tuple[Future[None], torch.Tensor]] = deque()
+        self._visited: set[int] = set()
+
+    def visited(self, sg: SubGroup) -> bool:
+        """Whether the sub-group was held before (a load's partial writes may be in the store)."""
+        return sg.index in self._visited
+
+    def state(self, sg: SubGroup, *, read: bool = True) -> torch.Tensor:
+        """The sub-group's state, held (read from the store first if ``read``)."""
+        held = self._held.get(sg.index)
+        if held is not None:
+            self._held.move_to_end(sg.index)
+            return held[1]
+        buffer = self._take()
+        state = buffer[: self.optimizer.state_numel(sg)]
+        if read:
+            key = self.optimizer.stager.key(sg.index)
+            try:
+                self.optimizer.store.get(key, out=state, cache=False).result()
+            except BaseException:
+                self._free.append(buffer)
+                raise
+        self._held[sg.index] = (buffer, state)
+        self._visited.add(sg.index)
+        return state
+
+    def changed(self, sg: SubGroup) -> None:
+        """The held sub-group's state was written into: it goes back to the store when it leaves."""
+        self._changed.add(sg.index)
+
+    def write_back(self, sg: SubGroup) -> None:
+        """Let the held sub-group go now (its write runs in the background if it changed)."""
+        buffer, state = self._held.pop(sg.index)
+        if sg.index in self._changed:
+            self._changed.discard(sg.index)
+            key = self.optimizer.stager.key(sg.index)
+            self._writes.append((self.optimizer.store.put(key, state, cache=False), buffer))
+        else:
+            self._free.append(buffer)
+
+    def close(self) -> None:
+        """Write back every changed sub-group and wait for all writes."""
+        for index in list(self._held):
+            self.write_back(self.optimizer.subgroups[index])
+        while self._writes:
+            self._reclaim()
+
+    def _take(self) -> torch.Tensor:
+        while not self._free:  # a write ending frees a buffer without losing a held sub-group
+            if self._writes:
+                self._reclaim()
+            else:
+                self.write_back(self.optimizer.subgroups[next(iter(self._held))])
+        return self._free.pop()
+
+    def _reclaim(self) -> None:
+        future, buffer = self._writes.popleft()
+        try:
+            future.result()
+        finally:
+            self._free.append(buffer)
 
 
 class StreamingSavePlanner(DefaultSavePlanner):
@@ -222,12 +354,12 @@ class StreamingSavePlanner(DefaultSavePlanner):
 
     def _buffer(self, numel: int) -> torch.Tensor:
         """A tensor of exactly ``numel`` fp32 values over this thread's one reused allocation."""
-        memory: bytearray | None = getattr(self._buffers, "memory", None)
-        if memory is None or len(memory) < 4 * numel:
-            memory = self._buffers.memory = bytearray(4 * max(numel, 1))
+        memory: memoryview | None = getattr(self._buffers, "memory", None)
+        if memory is None or memory.nbytes < 4 * numel:
+            memory = self._buffers.memory = self.stream.lend(4 * max(numel, 1))
         if numel == 0:
             return torch.empty(0, dtype=torch.float32)
-        return torch.frombuffer(memoryview(memory)[: 4 * numel], dtype=torch.float32)
+        return torch.frombuffer(memory[: 4 * numel], dtype=torch.float32)
 
 
 class StreamingLoadPlanner(DefaultLoadPlanner):
@@ -242,6 +374,31 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def __init__(self, stream: StateStream, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.stream = stream
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        """The plan DCP reads, with the optimizer's items in sub-group order (DCP reads a file's
+        items in plan order), each sub-group's items together; the stream learns which sub-groups
+        the plan writes whole."""
+        plan = super().finish_plan(central_plan)
+        written: dict[int, int] = {}
+        keys: list[tuple[int, int]] = []
+        for item in plan.items:
+            found = self.lookup_tensor(item.dest_index) if item.type != LoadItemType.BYTE_IO else None
+            placeholder = None if found is None else self.stream.which(found)
+            if placeholder is None or found is None:
+                keys.append((-1, -1))  # model entries first, in DCP's order
+                continue
+            runs = [
+                (start, flat.stop - flat.start)
+                for start, flat in _flat_runs(tuple(found.shape), list(item.dest_offsets), list(item.lengths))
+            ]
+            touched = self.stream.subgroups_of(placeholder, runs)
+            for index, count in touched.items():
+                written[index] = written.get(index, 0) + count
+            keys.append((min(touched, default=-1), max(touched, default=-1)))
+        self.stream.expect(written)
+        order = sorted(range(len(plan.items)), key=keys.__getitem__)
+        return dataclasses.replace(plan, items=[plan.items[i] for i in order])
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         found = self.lookup_tensor(read_item.dest_index)
@@ -331,14 +488,16 @@ def save(
         StoreClosedError: the optimizer is closed.
     """
     stream = StateStream(optimizer)
-    with _replaced(optimizer, state_dict=stream.state_dict):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp_save(
-            {"model": model_state, "optimizer": optimizer_state, **extra},
-            checkpoint_id=checkpoint_id,
-            planner=StreamingSavePlanner(stream),
-        )
-    stream.finish()
+    try:
+        with _replaced(optimizer, state_dict=stream.state_dict):
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp_save(
+                {"model": model_state, "optimizer": optimizer_state, **extra},
+                checkpoint_id=checkpoint_id,
+                planner=StreamingSavePlanner(stream),
+            )
+    finally:
+        stream.finish()
     return {"optimizer_bytes": stream.bytes_moved}
 
 
@@ -365,12 +524,17 @@ def load(
         StoreClosedError: the optimizer is closed.
     """
     stream = StateStream(optimizer)
-    with _replaced(optimizer, state_dict=stream.state_dict, load_state_dict=_restore_counts(optimizer)):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state, **extra}
-        dcp_load(state, checkpoint_id=checkpoint_id, planner=StreamingLoadPlanner(stream))
-        stream.finish()  # the last sub-group written back: the store holds the loaded state
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    try:
+        with _replaced(optimizer, state_dict=stream.state_dict, load_state_dict=_restore_counts(optimizer)):
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state, **extra}
+            dcp_load(state, checkpoint_id=checkpoint_id, planner=StreamingLoadPlanner(stream))
+            stream.finish()  # the last sub-group written back: the store holds the loaded state
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+    finally:
+        stream.finish()
     if not optimizer.fp32_shards:  # the model follows the restored masters
         for sg in optimizer.subgroups:
             for piece, values in optimizer._master_views(sg, optimizer.stager.read(sg.index)):
