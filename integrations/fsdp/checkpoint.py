@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.tensor import DTensor
 
 from tierstore.buffers import AlignedBuffer
 
@@ -135,8 +134,7 @@ class StateStream:
         Returns:
             The placeholder it (or the tensor it views) is, or None for real data.
         """
-        if isinstance(tensor, DTensor):
-            tensor = tensor._local_tensor
+        tensor = local_shard(tensor)
         if tensor.numel() and tensor.stride() and min(tensor.stride()) != 0:
             return None
         return self.placeholders.get(tensor.data_ptr())
@@ -418,7 +416,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = super().lookup_tensor(index)
-        return found._local_tensor if isinstance(found, DTensor) else found
+        return local_shard(found)
 
 
 def _flat_runs(shape: tuple[int, ...], offsets: list[int], lengths: list[int]) -> Iterator[tuple[int, slice]]:

@@ -53,7 +53,8 @@ def local_shard(param: torch.Tensor) -> torch.Tensor:
         or a plain tensor itself.
     """
     if isinstance(param, DTensor):
-        return param._local_tensor
+        with torch.no_grad():  # the local tensor itself, not an autograd view of it
+            return param.to_local()
     return param
 
 
