@@ -40,7 +40,7 @@ from ..errors import BufferMismatchError, ConfigError, StoreClosedError, TierSto
 from ..snapshot import export_hdf5, open_snapshot
 from ..store import TierStore
 from .options import CachePolicy
-from .partition import Piece, SubGroup, partition, partition_whole
+from .partition import KERNEL_ALIGNMENT, Piece, SubGroup, cut_length, partition, partition_whole
 from .staging import FP32, SubGroupStager, pass_order
 
 GRADIENT_CHUNK = 1 << 19
@@ -553,17 +553,23 @@ class StagedOptimizer(torch.optim.Optimizer):
         self, sg: SubGroup, coefficient: float
     ) -> Iterator[list[tuple[Piece, torch.Tensor]]]:
         """The same as :meth:`_gradients`, a buffer's worth at a time: each chunk lists pieces (parts
-        of the sub-group's, cut at the buffer's end) with their fp32 gradients. An element-wise
+        of the sub-group's, cut near the buffer's end where :func:`~.partition.cut_length` allows)
+        with their fp32 gradients. An element-wise
         kernel run on each chunk reads the converted gradient while it is still in cache: a whole
         sub-group's worth would go out to memory and come back, traffic that competes with the
         state I/O for the memory bus."""
         room = self._grad.numel()
+        alignment = KERNEL_ALIGNMENT if room >= KERNEL_ALIGNMENT else 1
         chunk: list[tuple[Piece, torch.Tensor]] = []
         used = 0
         for piece, flat in self._pieces_with_gradients(sg):
             done = 0
             while done < piece.length:
-                take = min(piece.length - done, room - used)
+                take = cut_length(piece.param_offset + done, piece.length - done, room - used, alignment)
+                if take == 0:  # cut the parameter where the sub-group partition could have
+                    yield self._scaled(chunk, used, coefficient)
+                    chunk, used = [], 0
+                    continue
                 part = Piece(piece.param, piece.param_offset + done, piece.offset + done, take)
                 converted = self._grad[used : used + take]
                 converted.copy_(flat[part.param_offset : part.param_offset + take])

@@ -4,12 +4,40 @@ The parameters of one parameter group are laid end to end in a flat fp32 space, 
 sub-groups of at most ``sub_group_size`` elements; a parameter may straddle two sub-groups. Each
 sub-group is the unit of offloading: its fp32 master weights and Adam moments are one object in
 the store, read, updated and written back together.
+
+A parameter is cut only :data:`KERNEL_ALIGNMENT` elements from its start or a multiple of that
+(:func:`cut_length`), so a sub-group may hold slightly fewer than ``sub_group_size`` elements.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+KERNEL_ALIGNMENT = 64
+"""Elements: where a parameter may be cut, counted from its start. A vectorised element-wise
+kernel (torch's fused AdamW) run over a piece then gives each element the vector lane it gets over
+the whole parameter, and so the same bits: cut elsewhere, the lanes and the scalar tail shift and
+the results can differ in the last bit. A multiple of every CPU's fp32 vector width, unrolled."""
+
+
+def cut_length(start: int, length: int, room: int, alignment: int) -> int:
+    """How many of a parameter's elements from ``start`` go into a piece.
+
+    Args:
+        start: the piece's first element, counted from the parameter's start (a multiple of
+            ``alignment``).
+        length: the parameter's elements from ``start`` on.
+        room: the most the piece may hold.
+        alignment: the parameter is cut only at multiples of this from its start.
+
+    Returns:
+        ``length`` if it fits ``room``, else the most that ends on a multiple of ``alignment``
+        (0 if ``room`` holds no such end).
+    """
+    if length <= room:
+        return length
+    return max(0, (start + room) // alignment * alignment - start)
 
 
 @dataclass(frozen=True)
@@ -35,10 +63,14 @@ class SubGroup:
 def partition(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) -> list[SubGroup]:
     """Sub-groups of every parameter group; ``groups`` lists (param index, numel) per group."""
     cut = _Cutter(sub_group_size)
+    alignment = KERNEL_ALIGNMENT if sub_group_size >= KERNEL_ALIGNMENT else 1
     for param, numel in cut.walk(groups):
         done = 0
         while done < numel:
-            length = min(numel - done, cut.room)
+            length = cut_length(done, numel - done, cut.room, alignment)
+            if length == 0:  # no aligned cut fits the rest of this sub-group
+                cut.close()
+                continue
             cut.add(param, done, length)
             done += length
             if cut.room == 0:

@@ -9,6 +9,7 @@ import h5py
 import pytest
 import torch
 from tierstore.optimizer import OffloadedAdamW, engine, partition
+from tierstore.optimizer.partition import KERNEL_ALIGNMENT
 
 from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, TierStore
 
@@ -100,6 +101,29 @@ def test_gradients_converted_a_small_chunk_at_a_time_match_torch_adamw(
         )
         assert_matches(optimizer, reference)
         assert optimizer.stager.working_bytes == 2 * optimizer.stager.slot_bytes + 4 * 64
+
+
+def test_parameters_cut_across_sub_groups_and_chunks_match_torchs_fused_adamw_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 parameters of sizes off every alignment, cut by 1000-element sub-groups and 256-element
+    gradient chunks: each piece gets the vector lanes it gets in torch's fused kernel over the
+    whole parameter (cuts fall on :data:`KERNEL_ALIGNMENT`), so the weights are equal to the bit."""
+    monkeypatch.setattr(engine, "GRADIENT_CHUNK", 256)
+    model, reference = twin_parameters(SHAPES, torch.float32)
+    with make_store(tmp_path, "dram") as store:
+        optimizer = OffloadedAdamW(model, store, lr=1e-2, weight_decay=0.1, sub_group_size=1000)
+        cut = [
+            piece
+            for sg in optimizer.subgroups
+            for piece in sg.pieces
+            if piece.length < model[piece.param].numel()
+        ]
+        assert cut and all(piece.param_offset % KERNEL_ALIGNMENT == 0 for piece in cut)
+        expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
+        train_against_reference(optimizer, model, expected, reference, steps=10)
+        for got, want in zip(optimizer.master_params(), reference, strict=True):
+            assert torch.equal(got, want.detach())
 
 
 def test_a_step_measures_its_own_compute_time_for_the_io_model(tmp_path: Path) -> None:
