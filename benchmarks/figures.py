@@ -325,8 +325,11 @@ def checkpoint(data: dict[str, Any]) -> str:
         ["seconds (median)", "training blocked", "committed (first tier)", "durable", "load"], rows
     )
     ratio = data["ratios"]["commit_vs_fio_write"]["median"]
+    blocked = data["ratios"]["async_blocked_vs_copy"]["median"]
     return (
-        table + f"\nThe first tier's commit takes {_x(ratio)} the time fio takes to write the same bytes.\n"
+        table + f"\nThe first tier's commit takes {_x(ratio)} the time fio takes to write the same bytes; "
+        f"`dcp.async_save` blocks training {_x(blocked)} the time a plain copy of the state into "
+        "memory takes, timed beside it.\n"
     )
 
 

@@ -2,14 +2,15 @@
 retention, on one background thread of the coordinating writer.
 
 A checkpoint is copied object by object. Where the two tiers' backends can copy without this
-process (:meth:`tierstore.backends.Backend.copy_from`: nvme to nvme, a hard link on one file
-system, a kernel copy across two), each extent of an object becomes an object of its own on the
-destination, keeping its checksum; elsewhere (Zarr on a parallel file system, a remote mount) the
-object is read back, its checksums checked, into a pool buffer and written out. The destination's
-commit record is written last, with the items remapped onto the new objects: until then the
-checkpoint is not on that tier, and an interrupted drain leaves only leftovers for the next
-writer to collect (:meth:`CheckpointTier.collect`) and the checkpoint still pending, which the
-next coordinating writer drains again.
+process (:meth:`tierstore.Tier.copy_from`: nvme to nvme, a hard link on one file system, a kernel
+copy across two), each extent is copied to the destination's path of the same index, keeping its
+checksum (a destination with fewer paths takes extents that would meet on one path as objects of
+their own); elsewhere (Zarr on a parallel file system, a remote mount) the object is read back,
+its checksums checked, into a pool buffer and written out. The destination's commit record is
+written last, with the items remapped onto the new objects: until then the checkpoint is not on
+that tier, and an interrupted drain leaves only leftovers for the next writer to collect
+(:meth:`CheckpointTier.collect`) and the checkpoint still pending, which the next coordinating
+writer drains again.
 
 Retention then keeps the newest ``keep`` checkpoints of each tier (None: all), deleting a
 checkpoint from a tier before the last only once the last tier holds it (it is *durable*).
@@ -147,7 +148,7 @@ class Drainer:
         try:
             for name, described in record.objects.items():
                 placement = source.placement(name, described)
-                linked = target.link(source.tier, placement)
+                linked = target.link(placement)
                 if linked is None:
                     linked = [(0, self._through_memory(record, source, target, placement))]
                 made.extend(new for _, new in linked)

@@ -131,10 +131,13 @@ class Staging:
             target.nbytes = at + entry.nbytes
             entry.pieces.append((target, at, entry.nbytes))
             return
-        flat = (tensor if tensor.is_contiguous() else tensor.contiguous()).reshape(-1)
         step = self.object_bytes // tensor.element_size()
-        for first in range(0, flat.numel(), step):
-            part = flat[first : first + step]
+        if tensor.numel() <= step:  # one object: copied as it lies, whatever its strides
+            parts = [tensor]
+        else:
+            flat = (tensor if tensor.is_contiguous() else tensor.contiguous()).reshape(-1)
+            parts = [flat[first : first + step] for first in range(0, flat.numel(), step)]
+        for part in parts:
             nbytes = part.numel() * part.element_size()
             target = self._new_object(nbytes)
             _copy(target, 0, part)
@@ -147,7 +150,7 @@ class Staging:
         backends allow, else read and copied in like any tensor (see :mod:`.stored`)."""
         shape, dtype = tuple(stand_in.shape), stand_in.dtype
         placement = committed_placement(store, name, shape, dtype)
-        linked = None if placement is None else self.tier.link(placement.tier, placement)
+        linked = None if placement is None else self.tier.link(placement)
         if linked is None:
             self.add(key, store.get(name, cache=False).result())
             return

@@ -102,34 +102,15 @@ class CheckpointTier:
         """Read a data object whole, checking every extent's checksum."""
         return self.tier.read_into(placement, out, Priority.CRITICAL, verify=True)
 
-    def link(self, source: Tier, placement: Placement) -> list[tuple[int, Placement]] | None:
-        """Copy an object of tier ``source`` (another checkpoint tier's, or a store's) here without
-        reading it into memory: each of its extents becomes an object of its own
-        (``Backend.copy_from``: a hard link on one file system, a kernel copy otherwise) keeping
-        its checksum. Returns ``(offset in the object, new placement)`` per extent in order, or
-        None, leaving nothing behind, where a backend cannot."""
-        made: list[tuple[int, Placement]] = []
-        try:
-            pairs = zip(placement.extents, placement.checksums, strict=True)
-            ordered = sorted(pairs, key=lambda pair: pair[0].offset)
-            for index, (extent, checksum) in enumerate(ordered):
-                path = self.tier.paths[index % len(self.tier.paths)]
-                origin = source.paths[extent.path].backend
-                name = self.new_name()
-                if not path.backend.copy_from(name, origin, placement.name):
-                    self.forget(placement for _, placement in made)
-                    return None
-                described = [{"path": path.name, "offset": 0, "length": extent.length, "checksum": checksum}]
-                try:
-                    made.append((extent.offset, self.tier.placement_from(name, extent.length, described)))
-                except BaseException:
-                    with contextlib.suppress(KeyNotFoundError, BackendIOError):
-                        path.backend.delete(name)
-                    raise
-                self._keep(made[-1][1])
-        except BaseException:
-            self.forget(placement for _, placement in made)
-            raise
+    def link(self, placement: Placement) -> list[tuple[int, Placement]] | None:
+        """Copy an object of another tier (another checkpoint tier's, or a store's) here without
+        reading it into memory (:meth:`Tier.copy_from`: a hard link on one file system, a kernel
+        copy otherwise), keeping its checksums; on a tier with fewer paths its extents become
+        objects of their own. Returns ``(offset in the object, new placement)`` per new object in
+        order, or None, leaving nothing behind, where a backend cannot."""
+        made = self.tier.copy_from(placement, self.new_name, split=True)
+        for _, copied in made or ():
+            self._keep(copied)
         return made
 
     def forget(self, placements: Iterable[Placement]) -> None:

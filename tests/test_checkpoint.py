@@ -15,6 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from tierstore.checkpoint.tiers import open_tiers
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load
-from torch.distributed.checkpoint.state_dict_saver import save
+from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from tierstore import (
     CheckpointNotFoundError,
@@ -143,6 +144,28 @@ def test_model_and_adamw_round_trip_bit_for_bit(tmp_path: Path) -> None:
             {"model": model.state_dict(), "optim": optimizer.state_dict()},
             {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict()},
         )
+
+
+def test_strided_tensors_round_trip_whole_and_cut_into_objects(tmp_path: Path) -> None:
+    """Transposed tensors (not contiguous), one that fits one data object and one cut into several
+    (the budget of 64 KiB makes 16 KiB objects), saved with ``dcp.save`` and ``dcp.async_save``."""
+    settings = only(config(tmp_path), "fast")
+    saved = {
+        "whole": torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64).t(),
+        "cut": torch.arange(160 * 64, dtype=torch.float32).reshape(160, 64).t(),
+    }
+    assert not any(tensor.is_contiguous() for tensor in saved.values())
+    with TieredStorageWriter(settings) as writer:
+        save(saved, checkpoint_id="strided", storage_writer=writer)
+        saving = async_save(saved, checkpoint_id="strided-async", storage_writer=writer, no_dist=True)
+        assert isinstance(saving, Future)
+        saving.result()
+    for name in ("strided", "strided-async"):
+        loaded = {key: torch.zeros(tensor.shape) for key, tensor in saved.items()}
+        with TieredStorageReader(settings) as reader:
+            load(loaded, checkpoint_id=name, storage_reader=reader)
+        for key, tensor in saved.items():
+            worker.assert_same(loaded[key], tensor, f"{name} {key}")
 
 
 def test_fsdp2_on_two_ranks_loads_on_one(processes: ForkServerContext, tmp_path: Path) -> None:

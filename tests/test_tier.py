@@ -11,7 +11,7 @@ import torch
 from tierstore.backends import open_backend
 from tierstore.backends.dram import DramBackend, DramOptions
 
-from tierstore import BackendIOError, ConfigError, Tier, TierStore
+from tierstore import BackendIOError, CapacityError, ConfigError, Tier, TierStore
 from tierstore.bandwidth import Bandwidth, InFlight, ThroughputMeter
 from tierstore.limits import Priority
 from tierstore.model import PathSpeed, transfer_seconds
@@ -340,3 +340,82 @@ def test_a_path_is_busy_while_any_request_of_either_direction_is_in_flight(
     assert path.busy_seconds == pytest.approx(3.0)
     assert path.stats()["busy_seconds"] == pytest.approx(3.0)
     path.close()
+
+
+# -- copying an object tier to tier -------------------------------------------------------------------
+def nvme_tier(root: Path, name: str, paths: int, capacity: int | None = None) -> Tier:
+    return Tier(name, [open_backend(f"nvme://{root / f'{name}{i}'}") for i in range(paths)], capacity)
+
+
+def files(root: Path, tier: str) -> list[Path]:
+    return sorted(path for path in root.glob(f"{tier}*/*") if path.is_file())
+
+
+def test_copy_from_links_each_extent_to_the_path_of_its_index(tmp_path: Path) -> None:
+    """A striped object copied onto a tier with as many paths: one object, every extent hard-linked
+    onto the path of the same index with its checksum, read back verified."""
+    data = torch.arange(3 << 18, dtype=torch.int32)
+    source, target = nvme_tier(tmp_path, "source", 2), nvme_tier(tmp_path, "target", 2)
+    try:
+        original = source.write("original", data.numpy().data.cast("B"), Priority.CRITICAL).result()
+        assert len(original.extents) == 2
+        copied = target.copy_from(original, lambda: "copy", split=False)
+        assert copied is not None
+        [(offset, placement)] = copied
+        assert offset == 0 and placement.name == "copy" and placement.tier is target
+        assert (placement.extents, placement.checksums) == (original.extents, original.checksums)
+        assert target.used_bytes == data.nbytes
+        assert [path.stat().st_nlink for path in files(tmp_path, "target")] == [2, 2]
+        out = torch.empty_like(data)
+        target.read_into(placement, out.numpy().data.cast("B"), Priority.CRITICAL).result()
+        assert torch.equal(out, data)
+    finally:
+        source.close()
+        target.close()
+
+
+def test_copy_from_a_tier_with_more_paths_splits_only_when_allowed(tmp_path: Path) -> None:
+    """Two extents meeting on one path: without ``split``, None and nothing copied; with it, one
+    object per extent at its offset, each holding its bytes and checksum."""
+    data = torch.arange(3 << 18, dtype=torch.int32)
+    source, target = nvme_tier(tmp_path, "source", 2), nvme_tier(tmp_path, "target", 1)
+    names = iter(["first", "second"])
+    try:
+        original = source.write("original", data.numpy().data.cast("B"), Priority.CRITICAL).result()
+        assert target.copy_from(original, lambda: next(names), split=False) is None
+        assert files(tmp_path, "target") == [] and target.used_bytes == 0
+        copied = target.copy_from(original, lambda: next(names), split=True)
+        assert copied is not None
+        assert [(offset, placement.name) for offset, placement in copied] == [
+            (extent.offset, name) for extent, name in zip(original.extents, ["first", "second"], strict=True)
+        ]
+        assert [placement.checksums for _, placement in copied] == [(c,) for c in original.checksums]
+        assert target.used_bytes == data.nbytes
+        whole = data.numpy().data.cast("B")
+        for offset, placement in copied:
+            out = bytearray(placement.nbytes)
+            target.read_into(placement, memoryview(out), Priority.CRITICAL).result()
+            assert out == whole[offset : offset + placement.nbytes]
+    finally:
+        source.close()
+        target.close()
+
+
+def test_copy_from_leaves_nothing_where_a_path_cannot_copy_or_the_tier_is_full(tmp_path: Path) -> None:
+    """The first extent is linked, the second lies in memory (no copy without this process): None,
+    the link deleted, no capacity held. A tier too small refuses before copying anything."""
+    data = torch.arange(3 << 18, dtype=torch.int32)
+    mixed = Tier("mixed", [open_backend(f"nvme://{tmp_path / 'mixed0'}"), DramBackend(DramOptions())])
+    target = nvme_tier(tmp_path, "target", 2)
+    small = nvme_tier(tmp_path, "small", 2, capacity=data.nbytes - 1)
+    try:
+        original = mixed.write("original", data.numpy().data.cast("B"), Priority.CRITICAL).result()
+        assert [extent.path for extent in original.extents] == [0, 1]
+        assert target.copy_from(original, lambda: "copy", split=True) is None
+        assert files(tmp_path, "target") == [] and target.used_bytes == 0
+        with pytest.raises(CapacityError, match="small"):
+            small.copy_from(original, lambda: "copy", split=True)
+        assert files(tmp_path, "small") == [] and small.used_bytes == 0
+    finally:
+        for tier in (mixed, target, small):
+            tier.close()

@@ -26,7 +26,6 @@ from .errors import (
     CapacityError,
     ChecksumError,
     ConfigError,
-    KeyNotFoundError,
     MissingDataError,
     OutOfRangeError,
 )
@@ -136,39 +135,12 @@ class TierChain:
 
     def copy_in(self, source: Placement) -> Placement | None:
         """``source`` (another store's version) as a new object on this chain's first tier,
-        copied path by path without passing through this process (:meth:`Backend.copy_from`: a
-        hard link, a kernel copy), keeping its extents and checksums; None, leaving nothing
-        behind, where that is not possible (a packed object, a tier with fewer paths, backends
-        that cannot)."""
-        tier = self.tiers[0]
-        paths = sorted({extent.path for extent in source.extents})
-        if source.pack_offset is not None or paths[-1] >= len(tier.paths):
-            return None
-        name = self.new_name()
-        copied: list[int] = []
-        try:
-            for index in paths:
-                if not tier.paths[index].backend.copy_from(
-                    name, source.tier.paths[index].backend, source.name
-                ):
-                    break
-                copied.append(index)
-            else:
-                described = [
-                    {**extent, "path": tier.paths[original.path].name}
-                    for extent, original in zip(source.describe(), source.extents, strict=True)
-                ]
-                return tier.placement_from(name, source.nbytes, described)
-        except BaseException:
-            self._delete_copies(name, copied)
-            raise
-        self._delete_copies(name, copied)
-        return None
-
-    def _delete_copies(self, name: str, paths: Iterable[int]) -> None:
-        for index in paths:
-            with contextlib.suppress(KeyNotFoundError, BackendIOError):
-                self.tiers[0].paths[index].backend.delete(name)
+        copied path by path without passing through this process (:meth:`Tier.copy_from`: each
+        extent to the path of the same index where the tier has it, keeping its checksum); None,
+        leaving nothing behind, where that is not possible (a packed object, a tier with too few
+        paths to keep it one object, backends that cannot)."""
+        copied = self.tiers[0].copy_from(source, self.new_name, split=False)
+        return None if copied is None else copied[0][1]
 
     # -- garbage ----------------------------------------------------------------------------------
     def discard(self, placements: Iterable[Placement | None]) -> None:

@@ -19,7 +19,7 @@ import errno
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, get_args
@@ -452,6 +452,76 @@ class Tier:
         future = when_all(reads, check)
         future.add_done_callback(count)
         return future
+
+    def copy_from(
+        self, source: Placement, new_name: Callable[[], str], *, split: bool
+    ) -> list[tuple[int, Placement]] | None:
+        """Copy an object of another tier here without its bytes passing through this process
+        (:meth:`Backend.copy_from` per extent: a hard link on one file system, a kernel copy across
+        two), keeping every extent's checksum. Blocks until done.
+
+        The extent on the source's path ``i`` goes to path ``i`` here, modulo this tier's number of
+        paths: a store and its copy whose paths pair up medium by medium (each disk's folder
+        beside its checkpoint folder) copy by hard links. An object name holds at most one extent
+        per path, so on a tier with fewer paths the copy becomes several objects: in byte order, a
+        new one starts at each extent whose path the current one already uses.
+
+        Args:
+            source: a committed, whole version on another tier (not one packed with others).
+            new_name: makes each new object's backend name (the owner's naming, which tells its
+                objects from others' when collecting leftovers).
+            split: allow several objects; False returns None, copying nothing, unless the object
+                stays one (a store's version has one placement).
+
+        Returns:
+            ``(offset in the object, placement of its bytes from there)`` per new object, in byte
+            order, their capacity claimed here; None, leaving nothing behind, where a backend pair
+            cannot copy this way (the caller then copies through memory), ``source`` is packed,
+            or it would need several objects and ``split`` is False.
+
+        Raises:
+            CapacityError: this tier has no room for the object (nothing is copied).
+            KeyNotFoundError: a source path lacks the object (nothing copied stays behind).
+            BackendIOError: a medium failed (nothing copied stays behind).
+        """
+        if source.pack_offset is not None:
+            return None
+        checksums = dict(zip(source.extents, source.checksums, strict=False))  # none if unchecked
+        groups: list[list[tuple[Extent, int]]] = [[]]  # (source extent, path here) per new object
+        for extent in sorted(source.extents, key=lambda extent: extent.offset):
+            path = extent.path % len(self.paths)
+            if path in {taken for _, taken in groups[-1]}:
+                groups.append([])
+            groups[-1].append((extent, path))
+        if len(groups) > 1 and not split:
+            return None
+        self._reserve(source.nbytes)
+        copied: list[tuple[str, int]] = []
+        made: list[tuple[int, Placement]] = []
+        try:
+            for group in groups:
+                name, start = new_name(), group[0][0].offset if group else 0  # empty: no extent
+                for extent, path in group:
+                    origin = source.tier.paths[extent.path].backend
+                    if not self.paths[path].backend.copy_from(name, origin, source.name):
+                        self._delete_copies(copied)
+                        self._release(source.nbytes)
+                        return None
+                    copied.append((name, path))
+                extents = tuple(Extent(path, extent.offset - start, extent.length) for extent, path in group)
+                kept = tuple(checksums[extent] for extent, _ in group if extent in checksums)
+                nbytes = sum(extent.length for extent in extents)
+                made.append((start, Placement(self, name, nbytes, extents, kept)))
+        except BaseException:
+            self._delete_copies(copied)
+            self._release(source.nbytes)
+            raise
+        return made
+
+    def _delete_copies(self, copies: Sequence[tuple[str, int]]) -> None:
+        for name, path in copies:
+            with contextlib.suppress(KeyNotFoundError, BackendIOError):
+                self.paths[path].backend.delete(name)
 
     def claim_scratch(self) -> None:
         """For a scratch store: each path keeps this store's objects apart and removes them even
