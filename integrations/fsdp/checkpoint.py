@@ -520,6 +520,11 @@ def load(
     Raises:
         BufferMismatchError: the checkpoint's parameter groups do not match the optimizer's.
         StoreClosedError: the optimizer is closed.
+
+    The state is streamed into the store as DCP reads it, with no second copy: a load that fails
+    part-way (DCP's ``CheckpointException``: a missing or damaged file) leaves the store holding
+    some sub-groups from the checkpoint and the rest as they were, so load again before training
+    on. A failed :func:`save` changes nothing but the checkpoint directory.
     """
     stream = StateStream(optimizer)
     try:
