@@ -1,16 +1,16 @@
 """The drain: copying committed checkpoints from the fast tier to the following ones, and
 retention, on one background thread of the coordinating writer.
 
-A checkpoint is copied object by object. Where the two tiers' backends can copy without this
-process (:meth:`tierstore.Tier.copy_from`: nvme to nvme, a hard link on one file system, a kernel
-copy across two), each extent is copied to the destination's path of the same index, keeping its
-checksum (a destination with fewer paths takes extents that would meet on one path as objects of
-their own); elsewhere (Zarr on a parallel file system, a remote mount) the object is read back,
-its checksums checked, into a pool buffer and written out. The destination's commit record is
-written last, with the items remapped onto the new objects: until then the checkpoint is not on
-that tier, and an interrupted drain leaves only leftovers for the next writer to collect
-(:meth:`CheckpointTier.collect`) and the checkpoint still pending, which the next coordinating
-writer drains again.
+A checkpoint is copied data store by data store: each store it uses on the source tier is opened
+read-only and copied with :meth:`TierStore.copy_to` into a new store of the destination tier,
+under the same keys. Where the two tiers' backends can copy without this process (nvme to nvme: a
+hard link on one file system, a kernel copy across two), no byte passes through memory and the
+checksums are carried over; elsewhere (Zarr on a parallel file system, a remote mount) each key is
+read back, its checksums checked, and written out, one key (at most a quarter of ``cache.budget``)
+at a time. The destination's commit record is written last, with the items pointing to the new
+stores: until then the checkpoint is not on that tier, and an interrupted drain leaves only
+stores no record uses, for the next writer to collect (:meth:`CheckpointTier.collect`), and the
+checkpoint still pending, which the next coordinating writer drains again.
 
 Retention then keeps the newest ``keep`` checkpoints of each tier (None: all), deleting a
 checkpoint from a tier before the last only once the last tier holds it (it is *durable*).
@@ -19,33 +19,31 @@ checkpoint from a tier before the last only once the last tier holds it (it is *
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
 
-from ..buffers import AlignedBuffer
-from ..errors import CapacityError, ChecksumError
-from ..staging import StagingArea
-from ..tier import Placement
-from .layout import Committed, Item, ObjectTable
-from .staging import WAIT_SECONDS
+from ..errors import BackendIOError, ChecksumError
+from ..store import TierStore
+from .layout import Committed
 from .tiers import CheckpointTier
 
 _log = logging.getLogger("tierstore")
-Layout = list[tuple[int, str, int]]
-"""Where an object's bytes went: ``(offset in it, new object, length)`` per piece."""
 
 
 class Drainer:
     """Drains and applies retention for one writer, in submission order."""
 
     def __init__(
-        self, tiers: Sequence[CheckpointTier], keep: Sequence[int | None], pool: StagingArea
+        self, tiers: Sequence[CheckpointTier], keep: Sequence[int | None], own: tuple[str, TierStore]
     ) -> None:
         self.tiers = list(tiers)
         self.keep = list(keep)
-        self.pool = pool
+        self.own = own
+        """The writer's data store on the first tier (name, store), whose keys retention deletes
+        through it."""
         self._queue: deque[str] = deque()
         self._current: str | None = None
         self._failures: dict[str, BaseException] = {}
@@ -142,56 +140,34 @@ class Drainer:
                 self._copy_checkpoint(newest, source, tier)
 
     def _copy_checkpoint(self, record: Committed, source: CheckpointTier, target: CheckpointTier) -> None:
-        layouts: dict[str, Layout] = {}
-        objects: ObjectTable = {}
-        made: list[Placement] = []
+        copies: dict[str, str] = {}
         try:
-            for name, described in record.objects.items():
-                placement = source.placement(name, described)
-                linked = target.link(placement)
-                if linked is None:
-                    linked = [(0, self._through_memory(record, source, target, placement))]
-                made.extend(new for _, new in linked)
-                layouts[name] = [(offset, new.name, new.nbytes) for offset, new in linked]
-                objects.update(
-                    {new.name: {"nbytes": new.nbytes, "extents": new.describe()} for _, new in linked}
-                )
-            storage = {index: _remap(item, layouts) for index, item in record.metadata.storage_data.items()}
+            for store_name, keys in record.keys_by_store().items():
+                copy_name = target.new_store_name()
+                copies[store_name] = copy_name
+                with (
+                    source.open_store(store_name, read_only=True) as origin,
+                    target.open_store(copy_name) as destination,
+                ):
+                    try:
+                        origin.copy_to(destination, keys)
+                    except ChecksumError as error:
+                        raise ChecksumError(f"{_where(record, source, target)}: {error}") from None
+                    except BackendIOError as error:
+                        raise BackendIOError(
+                            error.errno or errno.EIO,
+                            f"{_where(record, source, target)}: {error.strerror or error}",
+                        ) from None
+            storage = {
+                index: {**item, "store": copies[item["store"]]} for index, item in record.items().items()
+            }
             target.commit(
-                record.name,
-                record.save_id,
-                objects,
-                dataclasses.replace(record.metadata, storage_data=storage),
+                record.name, record.save_id, dataclasses.replace(record.metadata, storage_data=storage)
             )
         except BaseException:
-            target.forget(made)
+            for copy_name in copies.values():
+                target.remove_store(copy_name)
             raise
-
-    def _through_memory(
-        self, record: Committed, source: CheckpointTier, target: CheckpointTier, placement: Placement
-    ) -> Placement:
-        buffer = self._buffer(placement.nbytes)
-        try:
-            data = buffer.memoryview(placement.nbytes)
-            try:
-                source.read(placement, data).result()
-            except ChecksumError as error:
-                where = f"checkpoint {record.name!r} on tier {source.name!r}, draining to {target.name!r}"
-                raise ChecksumError(f"{where}: {error}") from None
-            return target.write(data).result()
-        finally:
-            self.pool.release(buffer)
-
-    def _buffer(self, nbytes: int) -> AlignedBuffer:
-        if not self.pool.fits(nbytes):
-            raise CapacityError(
-                f"draining needs a buffer of {nbytes} bytes, more than cache.budget ({self.pool.capacity}): "
-                "the checkpoint was saved with a larger budget"
-            )
-        while (buffer := self.pool.try_acquire(nbytes, fresh_pages=True)) is None:
-            with self._cond:
-                self._cond.wait(WAIT_SECONDS)  # a save holds the budget: it gives buffers back as it writes
-        return buffer
 
     def _retain(self) -> None:
         durable = {name: record.save_id for name, record in self.tiers[-1].committed().items()}
@@ -202,25 +178,18 @@ class Drainer:
             committed = {record.name: record for record in records}  # the newest of each name
             for record in records:
                 if committed[record.name] is not record:  # a name saved again: the older is superseded
-                    tier.delete(record)
+                    tier.delete(record, self.own)
             committed = dict(sorted(committed.items(), key=lambda item: _age(item[1])))
             if keep is None:
                 continue
             for name, record in list(committed.items())[:-keep]:
                 if tier is self.tiers[-1] or durable.get(name) == record.save_id:
-                    tier.delete(record)
+                    tier.delete(record, self.own)
 
 
 def _age(record: Committed) -> int:
     return record.committed_at
 
 
-def _remap(item: Item, layouts: dict[str, Layout]) -> Item:
-    """``item`` with its pieces moved onto the objects they were copied to."""
-    pieces = []
-    for name, offset, length in item["pieces"]:
-        for start, new, size in layouts[name]:
-            first, last = max(offset, start), min(offset + length, start + size)
-            if first < last:
-                pieces.append((new, first - start, last - first))
-    return {**item, "pieces": pieces}
+def _where(record: Committed, source: CheckpointTier, target: CheckpointTier) -> str:
+    return f"checkpoint {record.name!r} on tier {source.name!r}, draining to {target.name!r}"

@@ -1,21 +1,22 @@
-"""How a checkpoint lies on a tier: object names, the commit record, and what an item points to.
+"""How checkpoints lie on a tier: stores, the commit record, and what an item points to.
 
-On each tier a checkpoint is
+A checkpoint tier keeps persistent :class:`~tierstore.TierStore` manifests under
+``<root>/.checkpoints`` (``<root>``: the local directory of the tier's first path), their objects
+on the tier's paths, striped and checksummed by the store:
 
-* **data objects** ``d-<session>-<n>``, written through the tier (striped over its paths, an
-  xxHash3 checksum per extent): a large tensor is cut into objects of a bounded size, and small
-  items share *pack* objects of up to 4 MiB;
-* one **commit record** ``c-<name>-<session>-<n>`` on the tier's first path, written last: a
-  header (magic, payload length, xxHash3 of the payload) and the payload, which holds the
-  checkpoint's name and save id, every data object it uses with its extents and checksums, and
-  DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` whose ``storage_data`` says, for
-  each item, which byte ranges of which objects hold it (:data:`Item`).
+* **data stores** ``d-<session><n>``: on the first tier, one per writer, open (and so locked) while the
+  writer lives, its keys ``<save id>/<n>`` holding every save's items, a large item cut into
+  several keys of a bounded size; on the following tiers, one per drained (checkpoint, source
+  store), holding the source's keys;
+* **commit stores** ``c-<name>-<session><n>``: one per committed checkpoint, with a single key
+  :data:`RECORD_KEY`, written last: a header (magic, payload length, xxHash3 of the payload) and
+  the payload, which holds the checkpoint's name and save id and DCP's
+  :class:`~torch.distributed.checkpoint.metadata.Metadata` whose ``storage_data`` says, for each
+  item, which keys of which data store hold it (:data:`Item`).
 
-A record that is absent, short or fails its checksum commits nothing, so a checkpoint whose save
-(or drain) was interrupted at any point is simply not there, and the one before it is. When two
-records name the same checkpoint (a save under a name already used), the newest commit wins.
-``<session>`` is the id of the writer's session directory (:mod:`tierstore.backends.private`),
-which tells the objects of a live writer from the leftovers of one that died.
+A commit store without a whole record commits nothing, so a checkpoint whose save (or drain) was
+interrupted at any point is simply not there, and the one before it is. When two records name the
+same checkpoint (a save under a name already used), the newest commit wins.
 
 The payload is written with ``torch.save`` and read with ``torch.load(weights_only=True)``,
 allowing only DCP's metadata classes: a record never runs code when it is read.
@@ -38,12 +39,14 @@ from ..errors import InvalidKeyError
 
 SCHEME = "tierstore://"
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
-"""Checkpoint names: portable, flat, short enough for the record's object name."""
-SESSION = r"[0-9a-f]{16}"
-DATA_OBJECT = re.compile(rf"d-({SESSION})-[0-9a-f]+")
-RECORD_OBJECT = re.compile(rf"c-(.+)-({SESSION})-[0-9a-f]+")
-FORMAT = 1
-MAGIC = b"TSDCP\x00\x00\x01"
+"""Checkpoint names: portable, flat, short enough for a commit store's directory name."""
+DIRECTORY = ".checkpoints"
+"""Where a tier's checkpoint stores keep their manifests, under the root of its first path."""
+DATA_STORE = re.compile(r"d-[0-9a-f]{16}")
+COMMIT_STORE = re.compile(r"c-(.+)-[0-9a-f]{16}")
+RECORD_KEY = "record"
+FORMAT = 2
+MAGIC = b"TSDCP\x00\x00\x02"
 HEADER = struct.Struct("<8sQQ")
 """Magic, payload length, xxHash3-64 of the payload."""
 
@@ -63,18 +66,15 @@ SAFE_GLOBALS: list[Any] = [
 
 class Item(TypedDict):
     """Where one DCP item (a tensor chunk or a serialized object) lies on a tier: the
-    concatenation of ``pieces``, each ``[object, offset in it, length]``."""
+    concatenation of ``keys`` in data store ``store``."""
 
     dtype: str | None
     """The tensor's dtype name (``"bfloat16"``), None for a serialized object."""
     shape: list[int] | None
     nbytes: int
-    pieces: list[tuple[str, int, int]]
-
-
-ObjectTable = dict[str, dict[str, Any]]
-"""Data object name -> its placement on the tier (``nbytes`` and ``extents``: path, offset,
-length, checksum each), as :meth:`tierstore.Placement.describe` gives them."""
+    store: str
+    """The data store's name (``d-<id>``)."""
+    keys: list[str]
 
 
 @dataclass(frozen=True)
@@ -85,14 +85,20 @@ class Committed:
     save_id: str
     committed_at: int
     """``time.time_ns()`` at the commit: the newest record of a name wins."""
-    record: str
-    """The record's object name on the tier's first path."""
-    objects: ObjectTable
+    store: str
+    """The commit store holding the record (``c-<name>-<id>``)."""
     metadata: dcp_metadata.Metadata
 
-    @property
-    def session(self) -> str:
-        return session_of(self.record) or ""
+    def items(self) -> dict[dcp_metadata.MetadataIndex, Item]:
+        items: dict[dcp_metadata.MetadataIndex, Item] = self.metadata.storage_data
+        return items
+
+    def keys_by_store(self) -> dict[str, list[str]]:
+        """The data stores the checkpoint uses, with its keys in each."""
+        used: dict[str, list[str]] = {}
+        for item in self.items().values():
+            used.setdefault(item["store"], []).extend(item["keys"])
+        return used
 
 
 def checkpoint_name(checkpoint_id: str | os.PathLike[str]) -> str:
@@ -114,18 +120,6 @@ def is_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> bool:
     except InvalidKeyError:
         return False
     return True
-
-
-def session_of(object_name: str) -> str | None:
-    """The writer session of a data object or record, None for a name that is neither."""
-    match = DATA_OBJECT.fullmatch(object_name) or RECORD_OBJECT.fullmatch(object_name)
-    return None if match is None else match.group(match.re.groups)
-
-
-def record_name(object_name: str) -> str | None:
-    """The checkpoint a record object commits, None if the name is not a record's."""
-    match = RECORD_OBJECT.fullmatch(object_name)
-    return None if match is None else match.group(1)
 
 
 def encode_record(payload: dict[str, Any]) -> bytes:

@@ -43,7 +43,7 @@ class _Read:
     target: torch.Tensor | None
     """The planner's tensor (None for a serialized object)."""
     buffer: torch.Tensor
-    reads: list[Future[None]]
+    reads: list[Future[torch.Tensor]]
     direct: bool
     holder: tuple[TierStore, str] | None
     """The store object a stand-in stands for (:mod:`.stored`), put back into its store."""
@@ -73,10 +73,12 @@ class TieredStorageReader(TierSet, StorageReader):
 
     def __init__(self, config: ConfigSource, checkpoint_id: str | None = None) -> None:
         settings = load_config(config)
-        super().__init__(open_tiers(settings, capacity=False))
+        super().__init__(open_tiers(settings, writable=False))
         self._budget = int(settings.cache.budget)
         self._source: tuple[CheckpointTier, Committed] | None = None
         self._storage: dict[MetadataIndex, Item] = {}
+        self._stores: dict[str, TierStore] = {}
+        """The chosen checkpoint's data stores opened so far (read-only), by name."""
         if checkpoint_id is not None:
             try:
                 self.reset(checkpoint_id)
@@ -97,6 +99,7 @@ class TieredStorageReader(TierSet, StorageReader):
             StoreClosedError: the reader is closed.
         """
         self._check_open()
+        self._close_stores()
         self._source = self._find(None if not checkpoint_id else checkpoint_name(checkpoint_id))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -123,11 +126,10 @@ class TieredStorageReader(TierSet, StorageReader):
         the whole saved chunk, else into a copy that is narrowed into it (resharding), holding at
         most ``cache.budget`` bytes of such copies."""
         assert self._source is not None
-        objects: dict[str, torch.Tensor] = {}
         window: deque[_Read] = deque()
         held = 0
         for item in plan.items:
-            read = self._start(item, planner, objects)
+            read = self._start(item, planner)
             window.append(read)
             held += 0 if read.direct else read.buffer.numel()
             while held > self._budget and len(window) > 1:
@@ -156,20 +158,7 @@ class TieredStorageReader(TierSet, StorageReader):
         return is_checkpoint_id(checkpoint_id)
 
     # -- internals --------------------------------------------------------------------------------
-    def _find(self, name: str | None) -> tuple[CheckpointTier, Committed]:
-        """The newest save of ``name`` (None: of any name), from the first tier holding it."""
-        held = [(tier, record) for tier in self._tiers for record in tier.committed().values()]
-        candidates = [(tier, record) for tier, record in held if name is None or record.name == name]
-        if not candidates:
-            listing = "; ".join(
-                f"{tier.name}: {', '.join(tier.committed()) or 'none'}" for tier in self._tiers
-            )
-            wanted = "any checkpoint" if name is None else f"a checkpoint {SCHEME}{name}"
-            raise CheckpointNotFoundError(f"no tier holds {wanted} (committed: {listing})")
-        newest = max(candidates, key=lambda found: found[1].committed_at)[1]
-        return next(found for found in candidates if found[1].save_id == newest.save_id)
-
-    def _start(self, item: ReadItem, planner: LoadPlanner, objects: dict[str, torch.Tensor]) -> _Read:
+    def _start(self, item: ReadItem, planner: LoadPlanner) -> _Read:
         tier, record = self._source or (None, None)
         assert tier is not None and record is not None
         stored = self._storage[item.storage_index]
@@ -198,22 +187,34 @@ class TieredStorageReader(TierSet, StorageReader):
                 and not (target.is_conj() or target.is_neg())
             )
             buffer = target if direct else torch.empty(shape, dtype=dtype)
-        out = _bytes(buffer)
-        reads = []
-        at = 0
         with self._named(item):
-            for name, offset, length in stored["pieces"]:
-                placement = tier.placement(name, record.objects[name])
-                if offset == 0 and length == placement.nbytes:
-                    reads.append(tier.read(placement, out[at : at + length]))
-                else:  # part of a pack: the pack is read once and its items copied out
-                    if name not in objects:
-                        whole = torch.empty(placement.nbytes, dtype=torch.uint8)
-                        tier.read(placement, _bytes(whole)).result()
-                        objects[name] = whole
-                    out[at : at + length] = _bytes(objects[name])[offset : offset + length]
-                at += length
+            store = self._store(stored["store"])
+            if len(stored["keys"]) == 1:  # the item whole, in its shape
+                reads = [store.get(stored["keys"][0], out=buffer, cache=False)]
+            else:  # cut into keys of consecutive elements
+                flat = buffer.reshape(-1) if buffer.dim() else buffer.reshape(1)
+                reads, at = [], 0
+                for key in stored["keys"]:
+                    length = store.info(key).shape[0]
+                    reads.append(store.get(key, out=flat[at : at + length], cache=False))
+                    at += length
         return _Read(item, target, buffer, reads, direct, holder)
+
+    def _store(self, name: str) -> TierStore:
+        """A data store of the chosen checkpoint, opened read-only on first use."""
+        assert self._source is not None
+        if name not in self._stores:
+            self._stores[name] = self._source[0].open_store(name, read_only=True)
+        return self._stores[name]
+
+    def _close_stores(self) -> None:
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+
+    def close(self) -> None:
+        self._close_stores()
+        super().close()
 
     def _finish(self, read: _Read, planner: LoadPlanner) -> None:
         with self._named(read.item):
@@ -230,6 +231,19 @@ class TieredStorageReader(TierSet, StorageReader):
                 narrow_tensor_by_index(read.buffer, read.item.storage_offsets, read.item.lengths)
             )
         planner.commit_tensor(read.item, read.target)
+
+    def _find(self, name: str | None) -> tuple[CheckpointTier, Committed]:
+        """The newest save of ``name`` (None: of any name), from the first tier holding it."""
+        held = [(tier, record) for tier in self._tiers for record in tier.committed().values()]
+        candidates = [(tier, record) for tier, record in held if name is None or record.name == name]
+        if not candidates:
+            listing = "; ".join(
+                f"{tier.name}: {', '.join(tier.committed()) or 'none'}" for tier in self._tiers
+            )
+            wanted = "any checkpoint" if name is None else f"a checkpoint {SCHEME}{name}"
+            raise CheckpointNotFoundError(f"no tier holds {wanted} (committed: {listing})")
+        newest = max(candidates, key=lambda found: found[1].committed_at)[1]
+        return next(found for found in candidates if found[1].save_id == newest.save_id)
 
     @contextmanager
     def _named(self, item: ReadItem) -> Iterator[None]:

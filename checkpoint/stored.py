@@ -3,11 +3,11 @@ checkpointed tier to tier instead of through the training process's memory.
 
 :func:`stored_tensors` puts stand-ins for store objects into a state dict: tensors of the
 objects' shapes and dtypes that hold no data (one element, expanded). A save of one copies the
-object's committed version from the store's tier to the checkpoint's fast tier without reading
-it (:meth:`CheckpointTier.link`: a hard link where both are nvme directories on one file system,
-a kernel copy between nvme directories on two); where that cannot be done (other backends, an
-object packed with others, a store that keeps no checksums) it is read into memory and written
-like any tensor. A load into one puts the saved object back into the store under its key.
+object's committed version from its store into the writer's with :meth:`TierStore.copy_to`
+(written back first if it is only in DRAM): without reading it where the backends allow (a hard
+link where both are nvme directories on one file system, a kernel copy between nvme directories
+on two), else read into memory and put like any tensor. A load into one puts the saved object
+back into the store under its key.
 
 The store's workloads must leave those keys alone while a save or a load runs (the training
 loop is paused in ``dcp.save``, and in ``dcp.async_save`` until its staging returns). Each rank
@@ -24,9 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import BufferMismatchError
-from ..placement import Extent
 from ..store import TierStore
-from ..tier import Placement
 
 
 class StoredTensor(torch.Tensor):
@@ -81,26 +79,3 @@ def owner(tensor: torch.Tensor) -> tuple[TierStore, str] | None:
     if store is None or found is None:
         raise BufferMismatchError("a stand-in for a store object whose store or stand-in is gone")
     return store, found[1]
-
-
-def committed_placement(
-    store: TierStore, key: str, shape: tuple[int, ...], dtype: torch.dtype
-) -> Placement | None:
-    """Where the store keeps ``key``'s current version on a tier, written back first if it is only
-    in DRAM; None where it cannot be copied as it lies (packed with other objects, or kept
-    without checksums)."""
-    info = store.info(key)
-    if info.shape != shape or info.dtype != dtype:
-        raise BufferMismatchError(
-            f"store key {key!r} is {info.dtype} {info.shape} now, its stand-in {dtype} {shape}"
-        )
-    if info.dirty or info.tier is None:
-        store.flush()
-        info = store.info(key)
-    whole = sum(extent["length"] for extent in info.extents) == info.nbytes
-    if info.tier is None or info.name is None or not whole or not all("checksum" in e for e in info.extents):
-        return None
-    tier = next(tier for tier in store.tiers if tier.name == info.tier)
-    paths = {path.name: index for index, path in enumerate(tier.paths)}
-    extents = tuple(Extent(paths[e["path"]], e["offset"], e["length"]) for e in info.extents)
-    return Placement(tier, info.name, info.nbytes, extents, tuple(e["checksum"] for e in info.extents))

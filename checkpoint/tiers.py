@@ -1,155 +1,162 @@
-"""One tier of a store config as a home for checkpoints: writing and reading data objects,
-committing and listing records, deleting checkpoints and collecting leftovers.
+"""One tier of a store config as a home for checkpoints, through :class:`~tierstore.TierStore`:
+opening its data and commit stores, committing and listing records, deleting checkpoints and
+collecting leftovers (the layout is in :mod:`.layout`).
 
-A writer holds a *session* on each tier it writes: a private directory on the tier's first path,
-locked while the process lives (:mod:`tierstore.backends.private`), whose id prefixes every object
-and record it writes. Leftovers of an interrupted save, drain or delete (objects no record uses,
-torn or superseded records) are collected when a writer opens the tier, but only those of
-sessions that have ended: the lock says so even across processes and hosts sharing the file
-system. Tiers whose first path is not a local directory (``zarr+s3://``) cannot tell, so nothing
-is collected there.
+A writer holds a *session* on each tier it writes: a lock file ``s-<session>.lock`` in the
+tier's checkpoint directory, held while the process lives (the kernel drops it when the process
+dies, ``kill -9`` included), whose id names every store the writer creates. Leftovers of an
+interrupted save, drain or deletion (commit stores without a whole record, data-store keys no
+record uses) are collected when a writer opens the tier, but only those of sessions that have
+ended. A lock file gets its name only once it is locked (it is made as ``.new`` and renamed), so
+a named lock that can be taken always belongs to a dead session.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import secrets
+import shutil
 import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import Future
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from .._closeable import Closeable
-from ..backends import Backend
-from ..backends.private import PrivateDirectory, owner_ids, remove_abandoned
-from ..config import StoreConfig, TierConfig
-from ..errors import BackendIOError, ConfigError, KeyNotFoundError, OutOfRangeError, StoreClosedError
-from ..limits import Priority
-from ..tier import Placement, Tier
-from .layout import FORMAT, Committed, ObjectTable, decode_record, encode_record, record_name, session_of
+import torch
+from filelock import FileLock, Timeout
 
-SESSION_KIND = "checkpoint"
+from .._closeable import Closeable
+from ..config import StoreConfig, TierConfig
+from ..errors import (
+    BackendIOError,
+    ConfigError,
+    KeyNotFoundError,
+    ManifestError,
+    StoreClosedError,
+    StoreLockedError,
+)
+from ..store import TierStore
+from ..tier import Tier
+from .layout import (
+    COMMIT_STORE,
+    DATA_STORE,
+    DIRECTORY,
+    FORMAT,
+    RECORD_KEY,
+    Committed,
+    decode_record,
+    encode_record,
+)
+
+LOCK_SUFFIX = ".lock"
 
 
 class CheckpointTier:
-    """Checkpoints on one :class:`~tierstore.Tier` (which it owns and closes)."""
+    """Checkpoints on one tier of a config: the stores under ``<root>/.checkpoints``.
 
-    def __init__(self, tier: Tier) -> None:
-        for path in tier.paths:
-            if not path.backend.capabilities.persistent:
-                raise ConfigError(
-                    f"tier {tier.name!r} path {path.name!r} ({path.backend!r}) does not persist: "
-                    "checkpoints need tiers that outlive the process"
-                )
-        self.tier = tier
-        self.name = tier.name
-        self.records = tier.paths[0].backend
-        """Where the commit records live: the tier's first path."""
-        self.root = local_root(self.records)
-        self._session: PrivateDirectory | None = None
-        self._token: str | None = None
+    Args:
+        config: the tier's settings (its ``capacity`` bounds each store opened on it).
+        where: the tier's place in the config (``tiers.1``), for messages.
+        writable: whether this instance writes (takes a session, creates stores).
+    """
+
+    def __init__(self, config: TierConfig, where: str, *, writable: bool) -> None:
+        self.config = config
+        self.where = where
+        self.name = config.name
+        self.directory = _checkpoint_directory(config, where)
+        self._session: FileLock | None = None
+        self._session_id: str | None = None
         self._serials = itertools.count()
-        self._read: dict[str, Committed] = {}
-        """Valid records read so far, by record object name (a record never changes)."""
-        self._placements: dict[str, Placement] = {}
-        """Data objects this instance has adopted or written (their capacity claimed)."""
+        self._records: dict[str, Committed] = {}
+        """Valid records read so far, by commit store (a record never changes)."""
         self._lock = threading.Lock()
+        if writable:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
 
-    # -- the session ------------------------------------------------------------------------------
-    def token(self) -> str:
-        """This writer's session id on the tier, started on first use."""
+    # -- stores -----------------------------------------------------------------------------------
+    def open_store(
+        self,
+        store: str,
+        *,
+        read_only: bool = False,
+        cache_budget: int = 0,
+        cache_resident: bool = False,
+        pack_below: int = 64 << 10,
+        memory_budget: int | None = None,
+    ) -> TierStore:
+        """Open the persistent store ``store`` (``d-...`` or ``c-...``) of this tier.
+
+        Raises:
+            StoreLockedError: (writable) another process or store has it open.
+            ManifestError: (read-only) there is no such store.
+        """
+        tier = Tier.from_config(self.config, where=self.where)
+        try:
+            return TierStore(
+                [tier],
+                manifest=self.directory / store,
+                read_only=read_only,
+                cache_budget=cache_budget,
+                cache_resident=cache_resident,
+                pack_below=pack_below,
+                memory_budget=memory_budget,
+            )
+        except BaseException:
+            tier.close()
+            raise
+
+    def new_store_name(self, kind: str = "d", infix: str = "") -> str:
+        """A name for a store of this writer's session: ``d-<session>-<n>`` or
+        ``c-<name>-<session>-<n>``."""
+        return f"{kind}-{infix}{self.session()}{next(self._serials):08x}"
+
+    def session(self) -> str:
+        """This writer's session id on the tier, its lock taken on first use."""
         with self._lock:
-            if self._token is None:
-                if self.root is not None:
-                    self._session = PrivateDirectory(self.root, SESSION_KIND)
-                    self._token = self._session.id
-                else:
-                    self._token = secrets.token_hex(8)
-            return self._token
-
-    def new_name(self, kind: str = "d", infix: str = "") -> str:
-        return f"{kind}-{infix}{self.token()}-{next(self._serials):x}"
-
-    # -- data -------------------------------------------------------------------------------------
-    def write(self, data: memoryview) -> Future[Placement]:
-        """Write a new data object (striped over the tier's paths, checksummed)."""
-        name = self.new_name()
-        written = self.tier.write(name, data, Priority.CRITICAL)
-        written.add_done_callback(self._keep_written)
-        return written
-
-    def _keep_written(self, written: Future[Placement]) -> None:
-        if written.exception() is None:
-            self._keep(written.result())
-
-    def _keep(self, placement: Placement) -> None:
-        with self._lock:
-            self._placements[placement.name] = placement
-
-    def placement(self, name: str, described: dict[str, Any]) -> Placement:
-        """The placement of a data object a record describes (adopted once: its capacity claimed)."""
-        with self._lock:
-            known = self._placements.get(name)
-            if known is None:
-                known = self.tier.placement_from(name, int(described["nbytes"]), described["extents"])
-                self._placements[name] = known
-            return known
-
-    def read(self, placement: Placement, out: memoryview) -> Future[None]:
-        """Read a data object whole, checking every extent's checksum."""
-        return self.tier.read_into(placement, out, Priority.CRITICAL, verify=True)
-
-    def link(self, placement: Placement) -> list[tuple[int, Placement]] | None:
-        """Copy an object of another tier (another checkpoint tier's, or a store's) here without
-        reading it into memory (:meth:`Tier.copy_from`: a hard link on one file system, a kernel
-        copy otherwise), keeping its checksums; on a tier with fewer paths its extents become
-        objects of their own. Returns ``(offset in the object, new placement)`` per new object in
-        order, or None, leaving nothing behind, where a backend cannot."""
-        made = self.tier.copy_from(placement, self.new_name, split=True)
-        for _, copied in made or ():
-            self._keep(copied)
-        return made
-
-    def forget(self, placements: Iterable[Placement]) -> None:
-        """Delete data objects this instance wrote or adopted, giving their capacity back."""
-        for placement in placements:
-            with self._lock:
-                self._placements.pop(placement.name, None)
-            self.tier.discard(placement)
+            if self._session_id is None:
+                session_id = secrets.token_hex(4)
+                path = self.directory / f"s-{session_id}{LOCK_SUFFIX}"
+                staging = path.with_name(path.name + ".new")
+                lock = FileLock(staging, mode=0o600, is_singleton=False)
+                lock.acquire(timeout=0)  # nobody else knows the name yet
+                os.rename(staging, path)
+                self._session, self._session_id = lock, session_id
+            return self._session_id
 
     # -- records ----------------------------------------------------------------------------------
-    def commit(self, name: str, save_id: str, objects: ObjectTable, metadata: Any) -> Committed:
-        """Write the record that commits checkpoint ``name`` (its data objects already written)."""
+    def commit(self, name: str, save_id: str, metadata: Any) -> Committed:
+        """Write the record that commits checkpoint ``name`` (its data already committed in its
+        data stores) in a commit store of its own."""
+        store_name = self.new_store_name("c", f"{name}-")
         committed_at = time.time_ns()
-        record = self.new_name("c", f"{name}-")
         payload = {
             "format": FORMAT,
-            "record": record,
             "name": name,
             "save_id": save_id,
             "committed_at": committed_at,
-            "objects": objects,
             "metadata": metadata,
         }
-        self.records.write(record, 0, encode_record(payload)).result()
-        committed = Committed(name, save_id, committed_at, record, objects, metadata)
+        data = torch.frombuffer(bytearray(encode_record(payload)), dtype=torch.uint8)
+        with self.open_store(store_name) as store:
+            store.put(RECORD_KEY, data, cache=False).result()  # journaled (fsynced): committed
+        committed = Committed(name, save_id, committed_at, store_name, metadata)
         with self._lock:
-            self._read[record] = committed
+            self._records[store_name] = committed
         return committed
 
     def scan(self) -> list[Committed]:
         """Every valid record on the tier (several per name after a name was saved again)."""
         found = []
-        for record in self.records.list():
-            if record_name(record) is None:
+        for store_name in self._listing():
+            if COMMIT_STORE.fullmatch(store_name) is None:
                 continue
             with self._lock:
-                known = self._read.get(record)
+                known = self._records.get(store_name)
             if known is None:
-                known = self._load(record)
+                known = self._read_record(store_name)
             if known is not None:
                 found.append(known)
         return found
@@ -162,74 +169,180 @@ class CheckpointTier:
             newest[record.name] = record
         return newest
 
-    def _load(self, record: str) -> Committed | None:
+    def _read_record(self, store_name: str) -> Committed | None:
         try:
-            data = bytearray(self.records.size(record))
-            self.records.read_into(record, 0, data).result()
-        except (KeyNotFoundError, OutOfRangeError, BackendIOError):  # deleted, or still being written
+            with self.open_store(store_name, read_only=True) as store:
+                if RECORD_KEY not in store:
+                    return None
+                data = store.get(RECORD_KEY, cache=False).result()
+        except (ManifestError, KeyNotFoundError, BackendIOError):  # being written or deleted, or torn
             return None
-        payload = decode_record(bytes(data))
-        # A record names itself: a write into a recycled file that a crash cut short leaves the
-        # file's old contents (an older, whole record) under the new name, which must not count.
-        if payload is None or payload.get("record") != record:
+        payload = decode_record(data.numpy().tobytes())
+        if payload is None:
             return None
         committed = Committed(
             str(payload["name"]),
             str(payload["save_id"]),
             int(payload["committed_at"]),
-            record,
-            payload["objects"],
+            store_name,
             payload["metadata"],
         )
         with self._lock:
-            self._read[record] = committed
+            self._records[store_name] = committed
         return committed
 
-    def adopt(self) -> None:
-        """Claim the capacity of every committed checkpoint's objects (a writer's tier accounts
-        for what it already holds; :class:`~tierstore.CapacityError` if it cannot)."""
-        for record in self.committed().values():
-            for name, described in record.objects.items():
-                self.placement(name, described)
-
-    def delete(self, record: Committed) -> None:
-        """Uncommit (the record goes first), then delete the checkpoint's objects."""
-        with contextlib.suppress(KeyNotFoundError):
-            self.records.delete(record.record)
+    # -- deleting ---------------------------------------------------------------------------------
+    def delete(self, record: Committed, own: tuple[str, TierStore] | None = None) -> None:
+        """Uncommit checkpoint ``record`` (its record goes first), then delete its keys from its
+        data stores. ``own`` is this writer's open data store (name, store), whose keys it deletes
+        itself; a
+        data store another live writer holds keeps the keys until that writer cleans it
+        (:meth:`release_unreferenced`) or dies and the next writer collects them."""
         with self._lock:
-            self._read.pop(record.record, None)
-        self.forget([self.placement(name, described) for name, described in record.objects.items()])
+            self._records.pop(record.store, None)
+        if not self.remove_store(record.store):
+            return  # being committed right now: a save under that name is still running
+        for store_name, keys in record.keys_by_store().items():
+            if own is not None and store_name == own[0]:
+                for key in keys:
+                    with contextlib.suppress(KeyNotFoundError):
+                        own[1].delete(key)
+                continue
+            self._delete_keys(store_name, set(keys), remove_if_empty=True)
+
+    def remove_store(self, store_name: str) -> bool:
+        """Delete every key of a store no one has open, then its manifest; False if it is open."""
+        return self._delete_keys(store_name, None, remove_if_empty=True)
+
+    def _delete_keys(self, store_name: str, keys: set[str] | None, *, remove_if_empty: bool) -> bool:
+        """Delete ``keys`` (None: all) from a store no one has open; remove it once empty. False
+        where another process or store has it open."""
+        try:
+            store = self.open_store(store_name)
+        except StoreLockedError:
+            return False
+        except (ManifestError, ConfigError) as error:  # not a store this package can read: left alone
+            raise ManifestError(
+                error.errno if isinstance(error, ManifestError) else None,
+                f"tier {self.name!r}: checkpoint store {store_name!r} cannot be opened: {error}",
+            ) from error
+        with store:
+            for key in store.keys() if keys is None else keys:
+                with contextlib.suppress(KeyNotFoundError):
+                    store.delete(key)
+            empty = len(store) == 0
+        if empty and remove_if_empty:
+            shutil.rmtree(self.directory / store_name, ignore_errors=True)
+        return True
 
     # -- leftovers --------------------------------------------------------------------------------
-    def collect(self) -> None:
-        """Delete what ended sessions left: data objects no newest record uses, and torn or
-        superseded records. Live sessions' objects are never touched."""
-        if self.root is None:
-            return
-        listed = [(path.backend, path.backend.list()) for path in self.tier.paths]
-        remove_abandoned(self.root, SESSION_KIND)
-        live = owner_ids(self.root, SESSION_KIND)
-        kept: set[str] = set()
-        for record in self.committed().values():
-            kept.add(record.record)
-            kept.update(record.objects)
-        for backend, names in listed:
-            for name in names:
-                session = session_of(name)
-                if session is None or session in live or name in kept:
+    def collect(self, own: Collection[str] = ()) -> None:
+        """Delete what ended sessions left: commit stores without a whole record, and data-store
+        keys no record uses (stores left empty go too). Live sessions' stores, and ``own``
+        (this writer's), are never touched."""
+        dead = self._dead_sessions()
+        try:
+            records = self.scan()
+            used: dict[str, set[str]] = {}
+            for record in records:
+                for store_name, keys in record.keys_by_store().items():
+                    used.setdefault(store_name, set()).update(keys)
+            valid = {record.store for record in records}
+            for store_name in self._listing():
+                if store_name in own or _session_of(store_name) not in dead:
                     continue
-                with contextlib.suppress(KeyNotFoundError, BackendIOError):
-                    backend.delete(name)
-                with self._lock:
-                    self._read.pop(name, None)
-                    self._placements.pop(name, None)
+                if COMMIT_STORE.fullmatch(store_name) and store_name not in valid:
+                    self.remove_store(store_name)
+                elif DATA_STORE.fullmatch(store_name):
+                    self._collect_data_store(store_name, used.get(store_name, set()))
+        finally:
+            for session_id, lock in dead.items():
+                if lock is not None:
+                    (self.directory / f"s-{session_id}{LOCK_SUFFIX}").unlink(missing_ok=True)
+                    lock.release()
+
+    def release_unreferenced(self, name: str, store: TierStore, in_flight: Callable[[], set[str]]) -> None:
+        """Delete the keys of this writer's open data store (``name``) that no record on the tier
+        uses, but for those of saves in flight (``in_flight()``: their key prefixes).
+
+        The keys are listed first, the saves in flight next, the records last: a key listed
+        belongs to a save registered in flight before its first put, which leaves that set only
+        once its record is committed (and so found) or its save has failed."""
+        keys = store.keys()
+        prefixes = tuple(in_flight())
+        used: set[str] = set()
+        for record in self.scan():
+            used.update(record.keys_by_store().get(name, ()))
+        for key in keys:
+            if key not in used and not key.startswith(prefixes):
+                with contextlib.suppress(KeyNotFoundError):
+                    store.delete(key)
+
+    def _collect_data_store(self, store_name: str, used: set[str]) -> None:
+        try:
+            with self.open_store(store_name) as store:
+                for key in store:
+                    if key not in used:
+                        store.delete(key)
+                empty = len(store) == 0
+        except StoreLockedError:
+            return
+        if empty:
+            shutil.rmtree(self.directory / store_name, ignore_errors=True)
+
+    def _dead_sessions(self) -> dict[str, FileLock | None]:
+        """Sessions that have ended, each with its lock now held by this process (None for a
+        session whose lock file is gone: its owner ended and a collector removed it)."""
+        dead: dict[str, FileLock | None] = {}
+        locks: set[str] = set()
+        for entry in self._listing(everything=True):
+            if entry.startswith("s-") and entry.endswith(LOCK_SUFFIX + ".new"):
+                self._remove_if_abandoned(entry)  # its writer died before naming it: no stores
+                continue
+            if not (entry.startswith("s-") and entry.endswith(LOCK_SUFFIX)):
+                continue
+            session_id = entry[2 : -len(LOCK_SUFFIX)]
+            locks.add(session_id)
+            if session_id == self._session_id:
+                continue
+            lock = FileLock(self.directory / entry, mode=0o600, is_singleton=False)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            dead[session_id] = lock
+        for store_name in self._listing():
+            owner = _session_of(store_name)
+            if owner is not None and owner not in locks:
+                dead.setdefault(owner, None)
+        return dead
+
+    def _remove_if_abandoned(self, entry: str) -> None:
+        lock = FileLock(self.directory / entry, mode=0o600, is_singleton=False)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return
+        (self.directory / entry).unlink(missing_ok=True)
+        lock.release()
+
+    def _listing(self, *, everything: bool = False) -> list[str]:
+        """The checkpoint stores in the tier's directory (``everything``: lock files too)."""
+        try:
+            entries = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return []
+        if everything:
+            return entries
+        return [entry for entry in entries if DATA_STORE.fullmatch(entry) or COMMIT_STORE.fullmatch(entry)]
 
     def close(self) -> None:
-        """Close the tier and end the session (what it left uncommitted is collected later)."""
-        self.tier.close()
-        if self._session is not None:
-            self._session.remove()
-            self._session = None
+        """End the session (what it left uncommitted is collected later)."""
+        with self._lock:
+            if self._session is not None:
+                (self.directory / f"s-{self._session_id}{LOCK_SUFFIX}").unlink(missing_ok=True)
+                self._session.release()
+                self._session = None
 
 
 class TierSet(Closeable):
@@ -255,29 +368,41 @@ class TierSet(Closeable):
             raise StoreClosedError(f"the {type(self).__name__} is closed")
 
 
-def local_root(backend: Backend) -> Path | None:
-    """The local directory a backend keeps its objects in, None if it has none (a URL)."""
-    location = backend.location()
-    if location is None or location.identity[0] != "directory":
-        return None
-    return Path(location.shown)
-
-
-def open_tiers(config: StoreConfig, *, capacity: bool) -> list[CheckpointTier]:
-    """Every tier of ``config``, in order; ``capacity=False`` ignores the tiers' capacities (a
-    reader claims none)."""
+def open_tiers(config: StoreConfig, *, writable: bool) -> list[CheckpointTier]:
+    """Every tier of ``config``, in order; a reader (``writable=False``) ignores the tiers'
+    capacities (it claims none)."""
     opened: list[CheckpointTier] = []
-    try:
-        for index, settings in enumerate(config.tiers):
-            tier_config: TierConfig = settings if capacity else settings.model_copy(update={"capacity": None})
-            tier = Tier.from_config(tier_config, where=f"tiers.{index}")
-            try:
-                opened.append(CheckpointTier(tier))
-            except BaseException:
-                tier.close()
-                raise
-    except BaseException:
-        for done in opened:
-            done.close()
-        raise
+    for index, settings in enumerate(config.tiers):
+        tier_config = settings if writable else settings.model_copy(update={"capacity": None})
+        opened.append(CheckpointTier(tier_config, f"tiers.{index}", writable=writable))
     return opened
+
+
+def _checkpoint_directory(config: TierConfig, where: str) -> Path:
+    """``<root>/.checkpoints`` for a tier whose paths all persist and whose first path is a local
+    directory (the manifests' home); :class:`ConfigError` otherwise."""
+    tier = Tier.from_config(config, where=where)
+    try:
+        for path in tier.paths:
+            if not path.backend.capabilities.persistent:
+                raise ConfigError(
+                    f"tier {tier.name!r} path {path.name!r} ({path.backend!r}) does not persist: "
+                    "checkpoints need tiers that outlive the process"
+                )
+        location = tier.paths[0].backend.location()
+        if location is None or location.identity[0] != "directory":
+            raise ConfigError(
+                f"tier {tier.name!r}: its first path ({tier.paths[0].backend!r}) is not a local directory, "
+                "where checkpoints keep their stores' manifests"
+            )
+        return Path(location.shown) / DIRECTORY
+    finally:
+        tier.close()
+
+
+def _session_of(store_name: str) -> str | None:
+    """The writer session that created a store (``d-<session><n>``, ``c-<name>-<session><n>``)."""
+    match = DATA_STORE.fullmatch(store_name) or COMMIT_STORE.fullmatch(store_name)
+    if match is None:
+        return None
+    return store_name[-16:-8]

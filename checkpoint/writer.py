@@ -20,11 +20,9 @@ from torch.futures import Future
 
 from ..config import ConfigSource, load_config
 from ..errors import BufferMismatchError, ConfigError, InvalidKeyError
-from ..memory import MemoryLedger
-from ..staging import StagingArea
 from .drain import Drainer
 from .layout import SCHEME, checkpoint_name, is_checkpoint_id
-from .staging import WAIT_SECONDS, Staging, object_bytes
+from .staging import WAIT_SECONDS, SaveItems, object_bytes
 from .stored import StoredTensor
 from .tiers import CheckpointTier, TierSet, open_tiers
 
@@ -36,10 +34,12 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
     """Writes DCP checkpoints to the first tier of a tierstore config and drains them to the
     others (see :mod:`tierstore.checkpoint`).
 
-    Every rank writes its items to the first tier (striped over its paths) and ``dcp.save``
-    returns once the checkpoint is committed there; the coordinating rank then copies it to each
-    following tier in the background, and it is durable once the last tier holds it. A checkpoint
-    leaves a tier before the last only once the last tier holds it.
+    Every rank writes its items to the first tier (striped over its paths), into a persistent
+    store of its own that the writer holds open while it lives, and ``dcp.save`` returns once the
+    checkpoint is committed there; the coordinating rank then copies it to each following tier in
+    the background, and it is durable once the last tier holds it. A checkpoint leaves a tier
+    before the last only once the last tier holds it; its data leaves a rank's store when that
+    rank's writer next saves (or, once the writer has ended, when the next writer opens).
 
     Opening the writer collects what interrupted saves, drains and deletions of ended processes
     left on the tiers. Like DCP's own writers, one writer serves one save at a time: an
@@ -51,8 +51,11 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
         config: a store config (dict, ``.toml``/``.json`` path or :class:`~tierstore.StoreConfig`)
             whose ``tiers`` are where checkpoints go, fastest first. ``cache.budget`` is the DRAM
             a save stages through (``dcp.async_save`` copies the state into it instead of a
-            second full copy), and ``cache.pack_below`` the size under which items share pack
-            objects; the other fields of a store config do not apply to checkpoints.
+            second full copy), ``cache.pack_below`` the size under which items share pack
+            objects, and ``memory_budget`` (if set) bounds that cache with whatever else the
+            writer's store reserves. A tier's ``capacity`` bounds each store on it: one writer's
+            data, or one drained checkpoint's. The other fields of a store config do not apply to
+            checkpoints.
         keep: how many checkpoints each tier keeps, by tier name (a value of None: all). Tiers
             left out keep the default: the first tier the newest 2 when there are tiers after it,
             every other tier all.
@@ -67,25 +70,32 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
 
     def __init__(self, config: ConfigSource, *, keep: Mapping[str, int | None] | None = None) -> None:
         settings = load_config(config)
-        super().__init__(open_tiers(settings, capacity=True))
+        super().__init__(open_tiers(settings, writable=True))
         try:
             self._keep = _retention(keep, self._tiers)
-            object_bytes(int(settings.cache.budget))  # a budget too small is refused now, not mid-save
+            budget = int(settings.cache.budget)
+            self._key_bytes = object_bytes(budget)  # a budget too small is refused now, not mid-save
             for tier in self._tiers:
                 tier.collect()
-                tier.adopt()
+            fast = self._tiers[0]
+            self._store_name = fast.new_store_name()
+            self._store = fast.open_store(
+                self._store_name,
+                cache_budget=budget,
+                cache_resident=True,
+                pack_below=int(settings.cache.pack_below),
+                memory_budget=None if settings.memory_budget is None else int(settings.memory_budget),
+            )
+            """This writer's data store on the fast tier: every save's items, staged through its
+            cache (the config's ``cache.budget``)."""
         except BaseException:
-            for tier in self._tiers:
-                tier.close()
+            super().close()
             raise
-        self._memory = StagingArea(
-            MemoryLedger(settings.memory_budget), "checkpoint", int(settings.cache.budget), resident=True
-        )
-        """The staging memory of saves and drains: the config's ``cache.budget``."""
-        self._pack_below = int(settings.cache.pack_below)
         self._name: str | None = None
         self._save_id = uuid.uuid4().hex
-        self._staged: Staging | None = None
+        self._staged: SaveItems | None = None
+        self._in_flight: set[str] = set()
+        """Key prefixes of saves not yet over: their keys stay, whatever the records say."""
         self._drainer: Drainer | None = None
         self._lock = threading.Condition()
 
@@ -101,10 +111,14 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
             StoreClosedError: the writer is closed.
         """
         self._check_open()
-        self._claim_staged()
+        staged = self._claim_staged()
         if checkpoint_id:
             self._name = checkpoint_name(checkpoint_id)
-        self._save_id = uuid.uuid4().hex
+        self._save_id = uuid.uuid4().hex if staged is None else staged.save_id
+        with self._lock:  # the saves before this one are over: committed, or failed
+            self._in_flight = {
+                prefix for prefix in self._in_flight if staged is not None and prefix == staged.prefix
+            }
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """DCP tells each rank its role; the coordinating rank commits, drains and applies
@@ -128,31 +142,27 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items to the fast tier: the ones ``stage`` copied, or else each
-        item resolved now, copied through the budget and written while the next is copied."""
+        """Make this rank's items durable in the writer's data store: the ones ``stage`` put,
+        or else each item resolved and put now (copied through the cache while earlier ones are
+        written back). Keys of earlier saves that no checkpoint uses any more go first."""
+        self._tiers[0].release_unreferenced(self._store_name, self._store, self._saves_in_flight)
         staging = self._take_staged()
         keys: list[Hashable] = []
         try:
             if staging is None:
-                staging = Staging(
-                    self._tiers[0], self._memory, pack_below=self._pack_below, write_at_once=True
-                )
+                staging = self._new_save(self._save_id, copy=False)
                 for item in plan.items:
                     staging.add(item.index, planner.resolve_data(item))
                     keys.append(item.index)
             else:
                 keys = [self._staged_key(staging, item, planner) for item in plan.items]
-            written = staging.write(keys)
         except BaseException:
             if staging is not None:
                 staging.abandon()
             raise
+        written = staging.write(keys)
         results = [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=written[key][0]["nbytes"],
-                storage_data={"item": written[key][0], "objects": written[key][1]},
-            )
+            WriteResult(index=item.index, size_in_bytes=written[key]["nbytes"], storage_data=written[key])
             for item, key in zip(plan.items, keys, strict=True)
         ]
         done: Future[list[WriteResult]] = Future()
@@ -162,15 +172,9 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit the checkpoint on the fast tier (its record written last), then queue its drain."""
         assert self._name is not None
-        objects: dict[str, dict[str, Any]] = {}
-        storage = {}
-        for rank_results in results:
-            for result in rank_results:
-                storage[result.index] = result.storage_data["item"]
-                objects.update(result.storage_data["objects"])
-        metadata.storage_data = storage
+        metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
         metadata.storage_meta = self.storage_meta()
-        self._tiers[0].commit(self._name, self._save_id, objects, metadata)
+        self._tiers[0].commit(self._name, self._save_id, metadata)
         if self._drainer is None:
             self._drainer = self._start_drainer()
         self._drainer.submit(self._name)
@@ -208,7 +212,7 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
         """
         self._check_open()
         with self._lock:
-            while self._staged is not None:  # the previous save has not written its data yet
+            while self._staged is not None:  # the previous save has not taken its items yet
                 previous = self._staged
                 if previous.claimed_by is not None and not previous.claimed_by.is_alive():
                     previous.abandon()  # its save ended without writing: it failed
@@ -216,7 +220,7 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
                     break
                 self._lock.wait(WAIT_SECONDS)
         flat, mappings = flatten_state_dict(state_dict)
-        staging = Staging(self._tiers[0], self._memory, pack_below=self._pack_below, write_at_once=False)
+        staging = self._new_save(uuid.uuid4().hex, copy=True)
         planned: dict[str, Any] = {}
         try:
             with torch.no_grad():
@@ -231,6 +235,7 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
                             "save it with dcp.save"
                         )
                     planned[fqn] = value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            staging.wait()
         except BaseException:
             staging.abandon()
             raise
@@ -298,26 +303,37 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
             if self._staged is not None:
                 self._staged.abandon()
                 self._staged = None
+        self._store.close()
         super().close()
-        self._memory.close()
 
     # -- internals --------------------------------------------------------------------------------
     def _start_drainer(self) -> Drainer:
-        drainer = Drainer(self._tiers, self._keep, self._memory)
+        drainer = Drainer(self._tiers, self._keep, (self._store_name, self._store))
         for name in drainer.pending():
             drainer.submit(name)
         return drainer
 
-    def _claim_staged(self) -> None:
+    def _new_save(self, save_id: str, *, copy: bool) -> SaveItems:
+        staging = SaveItems(self._store, self._store_name, save_id, self._key_bytes, copy=copy)
+        with self._lock:
+            self._in_flight.add(staging.prefix)
+        return staging
+
+    def _saves_in_flight(self) -> set[str]:
+        with self._lock:
+            return set(self._in_flight)
+
+    def _claim_staged(self) -> SaveItems | None:
         """A save running on another thread than the staging (``dcp.async_save``'s executor)
-        takes the staged items over."""
+        takes the staged items over; returns them."""
         with self._lock:
             staged = self._staged
             current = threading.current_thread()
             if staged is not None and staged.claimed_by is None and staged.staged_by is not current:
                 staged.claimed_by = current
+            return staged if staged is not None and staged.claimed_by is current else None
 
-    def _take_staged(self) -> Staging | None:
+    def _take_staged(self) -> SaveItems | None:
         with self._lock:
             staged = self._staged
             if staged is None or staged.claimed_by is not threading.current_thread():
@@ -327,7 +343,7 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
             return staged
 
     @staticmethod
-    def _staged_key(staging: Staging, item: WriteItem, planner: SavePlanner) -> Hashable:
+    def _staged_key(staging: SaveItems, item: WriteItem, planner: SavePlanner) -> Hashable:
         """The staged entry of a planned item: a tensor's by its name (copied by ``stage``), a
         serialized object's resolved now (``stage`` copied the object itself)."""
         if item.type == WriteItemType.BYTE_IO:

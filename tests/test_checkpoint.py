@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter, stored_tensors
-from tierstore.checkpoint.staging import Staging
+from tierstore.checkpoint.staging import SaveItems
 from tierstore.checkpoint.tiers import open_tiers
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -35,11 +35,9 @@ from tierstore import (
     ChecksumError,
     ConfigError,
     InvalidKeyError,
-    StagingArea,
     TierStore,
 )
 from tierstore.config import load_config
-from tierstore.memory import MemoryLedger
 
 from . import checkpoint_worker as worker
 
@@ -85,7 +83,14 @@ def config(root: Path, slow: str | dict[str, Any] | None = None, budget: str = "
                     {"backend": f"nvme://{root / 'fast1'}?chunk_bytes=65536"},
                 ],
             },
-            {"name": "slow", "backend": slow or f"nvme://{root / 'slow'}"},
+            {
+                "name": "slow",
+                **(
+                    slow
+                    if isinstance(slow, dict) and "paths" in slow
+                    else {"backend": slow or f"nvme://{root / 'slow'}"}
+                ),
+            },
         ],
     }
 
@@ -103,17 +108,29 @@ def load_steps(settings: dict[str, Any], name: str) -> dict[str, Any]:
     return state
 
 
+TIER_DIRECTORIES = ("fast0", "fast1", "slow", "slow1")
+
+
 def objects_on_disk(root: Path) -> set[str]:
-    return {path.name for path in root.rglob("*") if path.is_file() and path.name[:2] in ("d-", "c-")}
+    """The backend objects in the tiers' directories (the stores' manifests, in hidden
+    directories, left out)."""
+    return {
+        path.name
+        for directory in TIER_DIRECTORIES
+        for path in (root / directory).rglob("*")  # an absent directory yields nothing
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(root).parts)
+    }
 
 
 def referenced(settings: dict[str, Any]) -> set[str]:
-    """Every object and record the committed checkpoints use, on every tier."""
+    """Every backend object the committed checkpoints use (their records and data), on every tier."""
     names: set[str] = set()
-    for tier in open_tiers(load_config(settings), capacity=False):
+    for tier in open_tiers(load_config(settings), writable=False):
         for record in tier.committed().values():
-            names |= {record.record, *record.objects}
-        tier.close()
+            used = {record.store: ["record"], **record.keys_by_store()}
+            for store_name, keys in used.items():
+                with tier.open_store(store_name, read_only=True) as store:
+                    names |= {store.info(key).name or "" for key in keys}
     return names
 
 
@@ -185,16 +202,23 @@ def test_fsdp2_on_two_ranks_loads_on_one(processes: ForkServerContext, tmp_path:
 
 # -- the drain --------------------------------------------------------------------------------------
 def test_drain_links_on_one_file_system(tmp_path: Path) -> None:
-    """nvme to nvme on one file system: the slow tier's objects are hard links of the fast tier's
-    extents, and stay whole when the fast tier's copies go."""
-    settings = config(tmp_path)
+    """nvme to nvme on one file system, both tiers over two directories: the slow tier's objects
+    are hard links of the fast tier's, and stay whole when the fast tier's copies go."""
+    slow = {
+        "paths": [{"backend": f"nvme://{tmp_path / name}?chunk_bytes=65536"} for name in ("slow", "slow1")]
+    }
+    settings = config(tmp_path, slow=slow)
     with TieredStorageWriter(settings, keep={"fast": 1}) as writer:
         for step in range(2):
             save(worker.step_state(step), checkpoint_id=f"step-{step}", storage_writer=writer)
             writer.wait_durable()
-    slow = [path for path in (tmp_path / "slow").iterdir() if path.name.startswith("d-")]
-    assert slow and all(path.stat().st_nlink in (1, 2) for path in slow)
-    assert sum(path.stat().st_nlink == 2 for path in slow) == len(slow) // 2  # step-1's, still on fast
+    slow_files = [
+        path for name in ("slow", "slow1") for path in (tmp_path / name).iterdir() if path.is_file()
+    ]
+    fast = {path.stat().st_ino for name in ("fast0", "fast1") for path in (tmp_path / name).iterdir()}
+    linked = [path for path in slow_files if path.stat().st_ino in fast]  # step-1's, still on fast
+    assert all(path.stat().st_nlink == 2 for path in linked)
+    assert sum(path.stat().st_size for path in linked) >= worker.step_state(1)["large"].nbytes
     worker.assert_same(load_steps(only(settings, "slow"), "step-0"), worker.step_state(0))
 
 
@@ -217,11 +241,15 @@ def test_async_save_killed_during_its_drain(processes: ForkServerContext, tmp_pa
     the fast copy loads; a new writer collects the dead drain's objects and drains again."""
     slowed = {"type": "throttle", "inner": f"nvme://{tmp_path / 'slow'}", "write_bytes_per_s": "2MB"}
     settings = config(tmp_path, slow=slowed)
+
+    def slow_objects() -> set[str]:
+        return {path.name for path in (tmp_path / "slow").iterdir() if path.is_file()}
+
     child = processes.Process(target=worker.async_save_then_drain, args=(settings, str(tmp_path)))
     child.start()
     try:
         deadline = time.monotonic() + 60
-        while not (tmp_path / "committed").exists() or not list((tmp_path / "slow").glob("d-*")):
+        while not (tmp_path / "committed").exists() or not objects_on_disk(tmp_path) & slow_objects():
             assert child.is_alive() and time.monotonic() < deadline, "the drain never started"
             time.sleep(0.01)
         assert not (tmp_path / "durable").exists()
@@ -234,7 +262,8 @@ def test_async_save_killed_during_its_drain(processes: ForkServerContext, tmp_pa
         assert reader.checkpoints() == {"fast": ["async"], "slow": []}
     restarted = config(tmp_path)  # the same directories, not slowed down
     with TieredStorageWriter(restarted) as writer:
-        assert not list((tmp_path / "slow").glob("d-*"))  # the dead drain's copies, collected
+        assert not slow_objects()  # the dead drain's copies, collected
+        assert not list((tmp_path / "slow" / ".checkpoints").glob("d-*"))
         writer.drain()
         assert writer.checkpoints()["slow"] == ["async"]
     worker.assert_same(load_steps(only(restarted, "slow"), "async"), expected)
@@ -305,7 +334,7 @@ def test_store_objects_are_linked_into_the_checkpoint_and_loaded_back(tmp_path: 
             save(state, checkpoint_id="offloaded", storage_writer=writer)
             writer.wait_durable()
         store_files = {path.stat().st_ino for path in (tmp_path / "state").iterdir() if path.is_file()}
-        fast_files = {path.stat().st_ino for path in tmp_path.glob("fast*/d-*")}
+        fast_files = {path.stat().st_ino for path in tmp_path.glob("fast*/*") if path.is_file()}
         assert len(store_files) == 3 and store_files <= fast_files
         for key, value in saved.items():  # the optimizer steps on: new versions, the old ones deleted
             store.put(key, torch.zeros_like(value)).result()
@@ -320,29 +349,25 @@ def test_store_objects_are_linked_into_the_checkpoint_and_loaded_back(tmp_path: 
 
 # -- staging ----------------------------------------------------------------------------------------
 def test_async_staging_holds_its_budget_and_writes_only_planned_items(tmp_path: Path) -> None:
-    settings = config(tmp_path)
-    (tier, slow) = open_tiers(load_config(settings), capacity=True)
-    pool = StagingArea(MemoryLedger(None), "checkpoint", 64 << 10)
-    try:
-        staging = Staging(tier, pool, pack_below=4096, write_at_once=False)
+    """12 x 64 KiB through a 64 KiB cache: spilled to the fast tier as it fills, never holding more
+    than the budget; the items the plan leaves out (another rank's) are deleted."""
+    (fast, _) = open_tiers(load_config(config(tmp_path)), writable=True)
+    with fast.open_store(fast.new_store_name(), cache_budget=64 << 10, pack_below=4096) as store:
+        staging = SaveItems(store, "d-test", "save", key_bytes=16 << 10, copy=True)
         staging.add("fits", torch.arange(2000, dtype=torch.int32))  # 8000 bytes: stays in DRAM
+        staging.wait()
         assert not objects_on_disk(tmp_path)
-        peak = 0
-        for index in range(12):  # 12 x 64 KiB through a 64 KiB budget: spilled as it fills
+        for index in range(12):
             staging.add(f"big{index}", torch.full((16384,), index, dtype=torch.int32))
-            peak = max(peak, pool.allocated_bytes)
-        assert objects_on_disk(tmp_path) and peak <= pool.capacity
+        staging.wait()
+        assert objects_on_disk(tmp_path) and store.stats()["peak_cache_bytes"] <= 64 << 10
         written = staging.write(["fits", "big3"])  # the plan gave the rest to another rank
-        assert set(written) == {"fits", "big3"}
-        kept = {name for item, _ in written.values() for name, _, _ in item["pieces"]}
-        deadline = time.monotonic() + 10
-        while objects_on_disk(tmp_path) != kept:
-            assert time.monotonic() < deadline, "staged objects of unplanned items were not deleted"
-            time.sleep(0.01)
-    finally:
-        tier.close()
-        slow.close()
-        pool.close()
+        assert set(written) == {"fits", "big3"} and len(written["big3"]["keys"]) == 4
+        assert sorted(store.keys()) == sorted(written["fits"]["keys"] + written["big3"]["keys"])
+        assert len(objects_on_disk(tmp_path)) == len({store.info(key).name for key in store})
+        for key in written["big3"]["keys"]:
+            assert torch.equal(store[key], torch.full((4096,), 3, dtype=torch.int32))
+    fast.close()
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -350,7 +375,9 @@ def test_a_corrupted_object_raises_checksum_error_naming_checkpoint_and_key(tmp_
     settings = only(config(tmp_path), "fast")
     with TieredStorageWriter(settings) as writer:
         save({"weights": torch.arange(50_000.0)}, checkpoint_id="broken", storage_writer=writer)
-    victim = max((path for path in tmp_path.rglob("d-*")), key=lambda path: path.stat().st_size)
+    victim = max(
+        (path for path in tmp_path.glob("fast*/*") if path.is_file()), key=lambda path: path.stat().st_size
+    )
     with open(victim, "r+b") as medium:
         medium.seek(100)
         byte = medium.read(1)
@@ -405,6 +432,6 @@ def test_a_config_file_works_where_a_dict_does(tmp_path: Path) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_session_left(tmp_path: Path) -> Iterator[None]:
-    """Every writer ends its session: no session directory outlives the test's writers."""
+    """Every writer ends its session: no session lock outlives the test's writers."""
     yield
-    assert not list(tmp_path.rglob(".checkpoint-*"))
+    assert not list(tmp_path.rglob("s-*.lock*"))

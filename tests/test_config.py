@@ -212,7 +212,8 @@ def keyword_defaults(function: Callable[..., object], names: Iterable[str]) -> d
 
 def test_the_store_constructor_takes_exactly_the_defined_options_with_their_defaults() -> None:
     parameters = inspect.signature(TierStore.__init__).parameters
-    assert set(parameters) - {"self", "tiers"} == set(STORE_ARGUMENTS)
+    # read_only is how a store is opened (TierStore.from_config takes it too), not a document's option
+    assert set(parameters) - {"self", "tiers", "read_only"} == set(STORE_ARGUMENTS)
     assert keyword_defaults(TierStore.__init__, STORE_ARGUMENTS) == StoreOptions().arguments()
 
 

@@ -10,6 +10,10 @@ The catalog knows nothing of the cache: a version whose bytes are only in DRAM i
 a placement, and the cache, once it has written such a version to a tier, commits the placement
 through :meth:`Catalog.written`, which applies it only if that record is still the key's current
 one. Its own lock guards the records alone.
+
+Over a read-only manifest the catalog only reads: it collects no garbage at the open (a writer
+may have the manifest open, and its objects not yet journaled are not garbage) and neither
+compacts the manifest nor deletes anything at the close.
 """
 
 from __future__ import annotations
@@ -152,10 +156,14 @@ class Catalog:
         return record
 
     def close(self) -> None:
-        """A scratch store deletes every version; a persistent one compacts its manifest."""
+        """A scratch store deletes every version; a persistent one compacts its manifest; a
+        read-only one only forgets its records."""
         with self._lock:
             placements = [record.persisted for record in self._records.values() if record.persisted]
             self._records.clear()
+        if self.manifest is not None and self.manifest.read_only:
+            self.manifest.close()
+            return
         if self.manifest is None:
             self.chain.discard(placements)
             return
@@ -169,7 +177,8 @@ class Catalog:
             self.manifest.commit_many({key: _manifest_entry(*version) for key, version in journaled.items()})
 
     def _load(self, manifest: Manifest) -> None:
-        """Load the manifest's records; delete tier objects an interrupted write left behind."""
+        """Load the manifest's records; unless it is read-only, delete tier objects an interrupted
+        write left behind."""
         tiers = [tier.name for tier in self.chain.tiers]
         for key, entry in manifest.entries.items():
             if entry["tier"] not in tiers:
@@ -183,8 +192,10 @@ class Catalog:
             try:
                 placement = self.chain.adopt(entry["tier"], entry)
             except CapacityError:
+                hint = " (a read-only open claims their capacity too: give it tiers of capacity None)"
                 raise CapacityError(
                     f"tier {entry['tier']!r} is too small for the objects its manifest lists"
+                    + (hint if manifest.read_only else "")
                 ) from None
             self._records[key] = Record(
                 tuple(entry["shape"]),
@@ -193,7 +204,8 @@ class Catalog:
                 persisted=placement,
                 damaged=_mismatch(entry, dtype),
             )
-        self.chain.collect(manifest.tokens, {entry["name"] for entry in manifest.entries.values()})
+        if not manifest.read_only:
+            self.chain.collect(manifest.tokens, {entry["name"] for entry in manifest.entries.values()})
 
 
 def _mismatch(entry: dict[str, Any], dtype: torch.dtype) -> str | None:

@@ -105,6 +105,11 @@ class StoreLockedError(TierStoreError, RuntimeError):
     """The persistent store's manifest is already open in another process (or store object)."""
 
 
+class ReadOnlyStoreError(TierStoreError, PermissionError):
+    """A change (put, delete, being the destination of a copy) asked of a store opened read-only
+    (``TierStore(..., read_only=True)``); the message names the manifest directory."""
+
+
 class CheckpointNotFoundError(KeyNotFoundError):
     """No tier holds a committed checkpoint of that id (never saved, interrupted before its commit,
     or deleted by retention); the message names the id, the tiers searched and what they hold."""

@@ -15,6 +15,19 @@ A manifest is a directory holding
 * ``lock``: an exclusive ``filelock`` held while a store has the manifest open, so a second
   process gets :class:`~tierstore.errors.StoreLockedError` instead of a silently forked catalogue.
 
+A reader (``Manifest(directory, read_only=True)``, behind ``TierStore(..., read_only=True)``) takes
+no lock, so it opens a manifest that a writer in this or another process has open. It replays the
+snapshot and the journal as they are at that moment and changes nothing: a torn last line is
+ignored, not cut off; no token is journaled; nothing is compacted or created. It stays consistent
+with a writer compacting meanwhile by reading twice: it notes the snapshot's identity (inode, size,
+modification and change times), reads the snapshot, then the journal, reads the journal's whole
+lines again, and notes the snapshot's identity once more. A compaction renames its snapshot into
+place before it truncates the journal, and journals nothing in between, so if the identity did
+not change and the journal's lines read are still its first lines, the journal read belongs to the
+snapshot read (a journal truncated under the reader, whose first read kept only the lines of an
+older snapshot, fails the second check); otherwise it replays again, up to :data:`READ_ATTEMPTS`
+times.
+
 Plain JSON only (never pickle); files and the directory are owner-only. A put commits by writing
 its data under a fresh backend name first and journaling the new entry after, so a crash at any
 moment leaves either the old entry (the new data is unreferenced garbage, collected at the next
@@ -31,6 +44,7 @@ import os
 import secrets
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, NotRequired
 
@@ -38,13 +52,24 @@ from filelock import FileLock, Timeout
 from pydantic import Field, NonNegativeInt, TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic's requirement on Python 3.11
 
-from .errors import BackendIOError, ManifestError, StoreLockedError, validation_problems
+from .errors import (
+    BackendIOError,
+    ManifestError,
+    ReadOnlyStoreError,
+    StoreLockedError,
+    validation_problems,
+)
 
 FORMAT = 1
 """The snapshot's format version; a snapshot of any other is refused, never half understood."""
 COMPACT_AFTER = 10_000
 """Journal lines after which the manifest compacts itself, so a long-running store's journal (and
 the replay at the next open) stays bounded."""
+READ_ATTEMPTS = 16
+"""How many times a read-only open replays the manifest while a writer keeps compacting it under
+the reader, before it gives up with a :class:`~tierstore.errors.ManifestError`."""
+SNAPSHOT = "manifest.json"
+JOURNAL = "journal.jsonl"
 _log = logging.getLogger("tierstore")
 
 
@@ -52,21 +77,40 @@ class Manifest:
     """The on-disk catalogue: ``entries`` (key -> JSON entry) plus the backend-name prefixes
     (``tokens``) this store has ever written under, so garbage from torn puts can be found.
 
-    Opening replays the snapshot and the journal, cuts off a torn last line, and journals a new
-    session token (:attr:`token`) that names this session's backend objects.
+    Opening for writing takes the lock, replays the snapshot and the journal, cuts off a torn last
+    line, and journals a new session token (:attr:`token`) that names this session's backend
+    objects. Opening read-only takes no lock and writes nothing (see the module docstring): it is
+    the catalogue as of the open, and every change is refused.
 
     Args:
-        directory: the manifest's directory; created owner-only if missing.
+        directory: the manifest's directory; created owner-only if missing (for writing).
+        read_only: read the manifest without locking or changing it, even while a writer has it
+            open; the directory must hold a manifest.
 
     Raises:
-        StoreLockedError: another process or store has the manifest open.
+        StoreLockedError: (for writing) another process or store has the manifest open.
         ManifestError: the snapshot or a journal line is not what a store wrote (named), or the
-            snapshot is of another format than :data:`FORMAT`.
-        BackendIOError: the directory cannot be created (a file stands in its way) or written.
+            snapshot is of another format than :data:`FORMAT`; read-only: there is no manifest
+            at ``directory``, or a writer compacted it under every one of :data:`READ_ATTEMPTS`
+            replays.
+        BackendIOError: the directory cannot be created (a file stands in its way), read or
+            written.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, read_only: bool = False) -> None:
         self.directory = Path(directory)
+        self.read_only = read_only
+        """Opened without the lock: nothing is ever written (see the module docstring)."""
+        self._path = self.directory / JOURNAL
+        self._mutex = threading.Lock()  # journal appends come from several threads
+        self._journal = -1
+        self._lock: FileLock | None = None
+        if read_only:
+            replayed = _replay(self.directory, attempts=READ_ATTEMPTS, must_exist=True)
+            self.entries, self.tokens, self._lines = replayed.entries, replayed.tokens, replayed.lines
+            self.token = secrets.token_hex(4)
+            """A read-only manifest's token is never journaled: its store writes no object."""
+            return
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         except (FileExistsError, NotADirectoryError):
@@ -78,21 +122,25 @@ class Manifest:
             raise BackendIOError(
                 error.errno, f"manifest: cannot create {self.directory}: {error.strerror}"
             ) from error
-        self._mutex = threading.Lock()  # journal appends come from several threads
-        self._lock = FileLock(self.directory / "lock", mode=0o600, is_singleton=False)
+        lock = FileLock(self.directory / "lock", mode=0o600, is_singleton=False)
         try:
-            self._lock.acquire(timeout=0)
+            lock.acquire(timeout=0)
         except Timeout:
             raise StoreLockedError(f"manifest {self.directory} is open in another process or store") from None
-        self._path = self.directory / "journal.jsonl"
+        self._lock = lock
         try:
-            self.entries, self.tokens, self._lines = self._replay()
+            # The lock keeps every other writer out, so the first replay is consistent.
+            replayed = _replay(self.directory, attempts=1, must_exist=False)
+            self.entries, self.tokens, self._lines = replayed.entries, replayed.tokens, replayed.lines
+            if replayed.journal_bytes > replayed.whole_bytes:
+                # a torn last line: the next append must not follow it
+                os.truncate(self._path, replayed.whole_bytes)
             self.token = secrets.token_hex(4)
             self._journal = _open_journal(self._path, truncate=False)
             self._append({"op": "token", "token": self.token})
             self.tokens.add(self.token)
         except BaseException:
-            self._lock.release()
+            lock.release()
             raise
 
     # -- changes --------------------------------------------------------------------------------
@@ -106,7 +154,9 @@ class Manifest:
         Raises:
             BackendIOError: the journal cannot be appended to (a full disk); none of the entries
                 is committed, and the journal is as it was.
+            ReadOnlyStoreError: the manifest is open read-only.
         """
+        self._check_writable("commit")
         with self._mutex:
             self._write([{"op": "put", "key": key, "entry": dict(entry)} for key, entry in entries.items()])
             self.entries.update((key, dict(entry)) for key, entry in entries.items())
@@ -117,7 +167,9 @@ class Manifest:
 
         Raises:
             BackendIOError: the journal cannot be appended to; the entry stays.
+            ReadOnlyStoreError: the manifest is open read-only.
         """
+        self._check_writable("remove")
         with self._mutex:
             self._append({"op": "delete", "key": key})
             self.entries.pop(key, None)
@@ -129,7 +181,11 @@ class Manifest:
         Args:
             live_tokens: the tokens still used by an object; the others are forgotten, so the
                 next open no longer collects garbage under them.
+
+        Raises:
+            ReadOnlyStoreError: the manifest is open read-only.
         """
+        self._check_writable("compact")
         with self._mutex:
             self._compact(live_tokens)
 
@@ -163,14 +219,20 @@ class Manifest:
         self._lines = 0
 
     def close(self) -> None:
-        """Close the journal and release the lock; idempotent."""
+        """Close the journal and release the lock; idempotent (a read-only manifest holds
+        neither)."""
         if self._journal < 0:
             return
         os.close(self._journal)
         self._journal = -1
+        assert self._lock is not None
         self._lock.release()
 
     # -- internals ------------------------------------------------------------------------------
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyStoreError(f"manifest {self.directory} is open read-only: {what} refused")
+
     def _append(self, record: Mapping[str, Any]) -> None:
         self._write([record])
         self._compact_if_due()
@@ -199,61 +261,120 @@ class Manifest:
         if self._lines >= COMPACT_AFTER:
             self._compact({token_of(entry["name"]) for entry in self.entries.values()})
 
-    def _replay(self) -> tuple[dict[str, dict[str, Any]], set[str], int]:
-        """Entries, tokens and the number of journal lines replayed."""
-        entries: dict[str, dict[str, Any]] = {}
-        tokens: set[str] = set()
-        lines = 0
-        snapshot_path = self.directory / "manifest.json"
-        if snapshot_path.exists():
-            try:
-                snapshot = json.loads(snapshot_path.read_text(encoding="utf-8"))
-            except ValueError as error:
-                raise ManifestError(
-                    errno.EIO, f"manifest {snapshot_path} is not valid JSON: {error}"
-                ) from None
-            if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
-                raise ManifestError(
-                    errno.EIO, f"manifest {snapshot_path}: not a tierstore manifest (format {FORMAT})"
-                )
-            _validated(_SNAPSHOT, snapshot, f"manifest {snapshot_path}")
-            entries = snapshot["entries"]
-            tokens = set(snapshot["tokens"])
-        records, complete = self._journal_records()
-        if self._path.exists() and self._path.stat().st_size > complete:
-            os.truncate(self._path, complete)  # a torn last line: the next append must not follow it
+
+@dataclass(frozen=True)
+class _Replayed:
+    """A manifest as replayed from its snapshot and journal."""
+
+    entries: dict[str, dict[str, Any]]
+    tokens: set[str]
+    lines: int
+    """Journal records replayed."""
+    whole_bytes: int
+    """The length of the journal's whole lines (a torn last line follows them)."""
+    journal_bytes: int
+    """The length of the journal as read."""
+
+
+def _replay(directory: Path, *, attempts: int, must_exist: bool) -> _Replayed:
+    """The manifest in ``directory``: the snapshot, then the journal's whole records over it.
+
+    Consistent against a writer compacting meanwhile (see the module docstring): a replay whose
+    snapshot changed while it was read, or whose journal lines are no longer the journal's first
+    lines, is done again, ``attempts`` times at most.
+
+    Args:
+        directory: the manifest's directory.
+        attempts: how many replays to try (1 where the caller holds the lock: nothing else
+            changes the files).
+        must_exist: a directory without a manifest is a :class:`ManifestError` (read-only opens),
+            rather than an empty catalogue (a new store).
+    """
+    snapshot_path, journal_path = directory / SNAPSHOT, directory / JOURNAL
+    if must_exist and not directory.is_dir():
+        reason = ": it is not a directory" if directory.exists() else ""
+        raise ManifestError(errno.ENOENT, f"no persistent store at {directory}{reason}")
+    for _ in range(attempts):
+        identity = _identity(snapshot_path)
+        snapshot = _read_bytes(snapshot_path)
+        journal = _read_bytes(journal_path)
+        whole_bytes = 0 if journal is None else journal.rfind(b"\n") + 1
+        lines = b"" if journal is None else journal[:whole_bytes]
+        again = _read_bytes(journal_path) if attempts > 1 else journal
+        if attempts > 1 and ((again or b"")[:whole_bytes] != lines or _identity(snapshot_path) != identity):
+            continue  # a writer compacted the manifest while it was read
+        if must_exist and snapshot is None and journal is None:
+            raise ManifestError(
+                errno.ENOENT,
+                f"no persistent store at {directory}: it holds neither {SNAPSHOT} nor {JOURNAL}",
+            )
+        entries, tokens = _parse_snapshot(snapshot_path, snapshot)
+        records = _parse_journal(journal_path, lines)
         for record in records:
-            lines += 1
             if record["op"] == "put":
                 entries[record["key"]] = record["entry"]
             elif record["op"] == "delete":
                 entries.pop(record["key"], None)
             else:
                 tokens.add(record["token"])
-        return entries, tokens, lines
+        return _Replayed(entries, tokens, len(records), whole_bytes, 0 if journal is None else len(journal))
+    raise ManifestError(
+        errno.EAGAIN,
+        f"manifest {directory} was compacted under each of {attempts} attempts to read it; "
+        "its writer is compacting continuously: open it again later",
+    )
 
-    def _journal_records(self) -> tuple[list[dict[str, Any]], int]:
-        """The journal's records, each checked, and the length in bytes of its whole lines (the
-        rest is the torn tail of a crashed append, never acknowledged). A line that is not a record
-        (damaged, or missing a field an entry needs) raises :class:`ManifestError` naming it, not
-        a ``KeyError`` later."""
-        records: list[dict[str, Any]] = []
-        complete = 0
-        if not self._path.exists():
-            return records, complete
-        with open(self._path, "rb") as journal:
-            for number, line in enumerate(journal, start=1):
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    raise ManifestError(
-                        errno.EIO, f"journal {self._path}: line {number} is damaged"
-                    ) from None
-                records.append(_validated(_RECORD, record, f"journal {self._path}: line {number}"))
-                complete += len(line)
-        return records, complete
+
+def _parse_snapshot(path: Path, snapshot: bytes | None) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """The entries and tokens of the snapshot read from ``path`` (none where it is missing)."""
+    if snapshot is None:
+        return {}, set()
+    try:
+        document = json.loads(snapshot.decode("utf-8"))
+    except ValueError as error:
+        raise ManifestError(errno.EIO, f"manifest {path} is not valid JSON: {error}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ManifestError(errno.EIO, f"manifest {path}: not a tierstore manifest (format {FORMAT})")
+    _validated(_SNAPSHOT, document, f"manifest {path}")
+    return document["entries"], set(document["tokens"])
+
+
+def _parse_journal(path: Path, lines: bytes) -> list[dict[str, Any]]:
+    """The records of the journal's whole ``lines`` read from ``path``, each checked (the torn
+    tail of a crashed append, never acknowledged, is not among them). A line that is not a record
+    (damaged, or missing a field an entry needs) raises :class:`ManifestError` naming it, not a
+    ``KeyError`` later."""
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines.split(b"\n")[:-1], start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise ManifestError(errno.EIO, f"journal {path}: line {number} is damaged") from None
+        records.append(_validated(_RECORD, record, f"journal {path}: line {number}"))
+    return records
+
+
+def _identity(path: Path) -> tuple[int, int, int, int] | None:
+    """What changes whenever a file is replaced or rewritten: its inode, size, modification and
+    change times; None where it is missing."""
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    """The whole content of ``path``, or None where it is missing."""
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise BackendIOError(
+            error.errno or errno.EIO, f"manifest: cannot read {path}: {error.strerror or error}"
+        ) from error
 
 
 class _Extent(TypedDict):

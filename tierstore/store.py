@@ -23,6 +23,11 @@ every committed object, a crash leaves each key at its old or its new version, a
 interrupted writes is deleted at the next open. Objects still only in the write-back cache are not
 durable until written back (``flush()``, eviction, ``close()``); ``policy="write-through"`` makes
 every put durable when its future resolves.
+
+With ``read_only=True`` a store reads a persistent store's manifest without locking it, even while
+a writer (in this or another process) has it open: it sees the committed objects as of the open
+(later writes are not seen), refuses every change with :class:`ReadOnlyStoreError`, and neither
+collects garbage, compacts nor deletes anything, at the open or at ``close``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from .errors import (
     InvalidKeyError,
     KeyNotFoundError,
     ManifestError,
+    ReadOnlyStoreError,
     StoreClosedError,
 )
 from .limits import Priority
@@ -108,10 +114,26 @@ class TierStore(Closeable):
         memory_budget: bytes of host memory all the store's workloads may reserve together (the
             cache's budget included; see :attr:`memory`); None counts without a limit.
         pack_below: objects smaller than this are written back together in pack objects.
+        cache_resident: keep the pages of buffers the cache frees for its next objects (a cache
+            refilled over and over, as a checkpoint's staging is, then copies into memory already
+            mapped, several times faster than into fresh pages); the RSS stays at the cache's
+            high-water mark, never above ``cache_budget``, until the store closes.
+        read_only: open the persistent store at ``manifest`` for reading only (a DCP load reads
+            every rank's store, some still open in their writers): no lock is taken, so a writer
+            may have it open; the store sees the objects committed when it opened, never later
+            writes; put, delete and being the destination of :meth:`copy_to` raise
+            :class:`ReadOnlyStoreError`, :meth:`flush` has nothing to write and returns at once,
+            and neither the open nor :meth:`close` collects garbage, compacts the manifest or
+            deletes an object. Reads (``cache_reads`` included) work as usual. An object the
+            writer deletes or replaces after the open is gone for this store too
+            (:class:`~tierstore.errors.MissingDataError` on reading it).
 
     Raises:
-        ConfigError: an argument of the wrong type or out of range, named in the message.
-        ManifestError, StoreLockedError: ``manifest`` is damaged, or open in another process.
+        ConfigError: an argument of the wrong type or out of range, named in the message;
+            ``read_only`` without a ``manifest``.
+        ManifestError, StoreLockedError: ``manifest`` is damaged, or open in another process (for
+            writing); read-only: there is no persistent store at ``manifest`` (the directory is
+            never created).
 
     A facade: the tier chain (:mod:`.chain`: placement, failover, verified reads, garbage), the
     commit protocol (:mod:`.catalog`) and, when ``cache_budget`` is above 0, the write-back cache
@@ -132,8 +154,11 @@ class TierStore(Closeable):
         verify: Verify = "always",
         memory_budget: int | None = None,
         pack_below: int = 64 << 10,
+        cache_resident: bool = False,
+        read_only: bool = False,
     ) -> None:
         _check_tiers(tiers)
+        _check_read_only(read_only, manifest)
         options = StoreOptions.from_arguments(
             cache_budget=cache_budget,
             policy=policy,
@@ -143,6 +168,7 @@ class TierStore(Closeable):
             verify=verify,
             memory_budget=memory_budget,
             pack_below=pack_below,
+            cache_resident=cache_resident,
         ).arguments()  # as checked: a numpy integer becomes an int
         cache_budget, workers, memory_budget = (
             options["cache_budget"],
@@ -160,8 +186,10 @@ class TierStore(Closeable):
         self.verify = verify
         self.policy = policy
         self.cache_reads = cache_reads
+        self.read_only = read_only
+        """Opened read-only: every change raises :class:`ReadOnlyStoreError`."""
         self._closed = False
-        opened = None if manifest is None else Manifest(manifest)
+        opened = None if manifest is None else Manifest(manifest, read_only=read_only)
         try:
             # A persistent store's token is journaled first, so an interrupted write's object is
             # recognised as garbage; a scratch store's only keeps concurrent stores apart.
@@ -181,7 +209,7 @@ class TierStore(Closeable):
             self.memory.reserve("cache", 0)  # the ledger still lists the cache's share: none
         else:
             self._cache = WriteBackCache(
-                StagingArea(self.memory, "cache", cache_budget),
+                StagingArea(self.memory, "cache", cache_budget, resident=options["cache_resident"]),
                 write=self._chain.write,
                 write_pack=self._chain.write_pack,
                 on_written=self._catalog.written,
@@ -190,12 +218,14 @@ class TierStore(Closeable):
         self._serial = KeyedSerializer(workers, "tierstore")
 
     @classmethod
-    def from_config(cls, config: ConfigSource | None = None) -> TierStore:
+    def from_config(cls, config: ConfigSource | None = None, *, read_only: bool = False) -> TierStore:
         """A store opened from a config document (see the configuration reference).
 
         Args:
             config: a :class:`StoreConfig`, a mapping, or the path of a ``.toml`` or ``.json``
                 file; None for the embedded default (one nvme tier under ``./tierstore-data``).
+            read_only: open the persistent store the config names for reading only (see the
+                class docstring); the config must name a ``manifest``.
 
         Returns:
             The store, owning every tier's backend.
@@ -214,7 +244,7 @@ class TierStore(Closeable):
                 opened.close()
             raise
         try:
-            return cls(tiers, **settings.arguments())
+            return cls(tiers, **settings.arguments(), read_only=read_only)
         except BaseException:
             for opened in tiers:
                 opened.close()
@@ -273,9 +303,11 @@ class TierStore(Closeable):
         Raises:
             InvalidKeyError: a bad key. BufferMismatchError: not a tensor, or one without plain
             memory (nested, quantized, sparse, meta). StoreClosedError: the store is closed.
-            Through the future: BackendIOError or CapacityError when no tier can take it.
+            ReadOnlyStoreError: the store is read-only. Through the future: BackendIOError or
+            CapacityError when no tier can take it.
         """
         self._check_open()
+        self._check_writable(f"put({key!r})")
         check_key(key)
         if not isinstance(tensor, torch.Tensor):
             raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
@@ -343,8 +375,10 @@ class TierStore(Closeable):
 
         Raises:
             KeyNotFoundError: no such key.
+            ReadOnlyStoreError: the store is read-only.
         """
         self._check_open()
+        self._check_writable(f"delete({key!r})")
         self._check_known(key)
         self._serial.submit(key, self._delete, key).result()
 
@@ -353,18 +387,22 @@ class TierStore(Closeable):
 
         Objects smaller than ``pack_below`` go in packs: one backend object of up to
         :data:`~tierstore.cache.PACK_BYTES` per batch, each object's record pointing into it.
-        Covers puts whose futures have resolved; wait for pending puts first to include them.
+        Covers puts whose futures have resolved; wait for pending puts first to include them. A
+        read-only store has nothing to write: it returns at once.
 
         Raises:
             BackendIOError: a write-back failed (the objects stay dirty in the cache).
         """
         self._check_open()
+        if self.read_only:
+            return
         if self._cache is not None:
             self._cache.flush()
 
-    def copy_to(self, destination: TierStore, keys: Iterable[str] | None = None) -> None:
-        """Put ``keys`` (default: every committed key) into ``destination`` under the same keys,
-        each committed there as an object of its own (journaled, in a persistent destination).
+    def copy_to(self, destination: TierStore, keys: Iterable[str] | None = None, *, prefix: str = "") -> None:
+        """Put ``keys`` (default: every committed key) into ``destination`` under the same keys
+        (after ``prefix``), each committed there as an object of its own (journaled, in a
+        persistent destination).
 
         Where a version sits on a tier and ``destination``'s first tier has the paths its extents
         use, on backends that can copy without this process (:meth:`Backend.copy_from`: a hard
@@ -372,14 +410,17 @@ class TierStore(Closeable):
         the checksums are carried over: an optimizer's state checkpointed into a store in the
         checkpoint's folder, and back at resume, in the time of a few metadata operations.
         Otherwise the object is read and put, one at a time. Blocks until every key is
-        committed.
+        committed. A read-only store can be the source, never the destination.
 
         Args:
             destination: another open store.
             keys: the keys to copy; None for every committed key.
+            prefix: put before each key in ``destination`` (``"step-100/"``), so that copies from
+                several sources, or several copies of one key, stay apart there.
 
         Raises:
             ConfigError: ``destination`` is not a TierStore, or is this store.
+            ReadOnlyStoreError: ``destination`` is read-only (refused before anything is copied).
             InvalidKeyError: a bad key (all keys are checked before the first is copied).
             KeyNotFoundError: an unknown key (checked likewise, before anything is copied).
             BackendIOError: an I/O failure (the keys copied so far stay committed).
@@ -390,25 +431,28 @@ class TierStore(Closeable):
         if destination is self:
             raise ConfigError("copy_to: destination is this store (its keys would replace themselves)")
         destination._check_open()
+        destination._check_writable("copy_to: the destination")
         if isinstance(keys, str):  # a str is one key per character
             raise InvalidKeyError(f"copy_to takes an iterable of keys, not {keys!r}: use [key]")
         chosen = self.keys() if keys is None else list(keys)
+        if not isinstance(prefix, str):
+            raise InvalidKeyError(f"copy_to: prefix must be a str, not {type(prefix).__name__}")
         for key in chosen:  # every key checked before the first is copied
             self._check_known(key)
-            check_key(key)
+            check_key(prefix + key)
         for key in chosen:
-            self._serial.submit(key, self._copy_to, key, destination).result()
+            self._serial.submit(key, self._copy_to, key, destination, prefix + key).result()
 
-    def _copy_to(self, key: str, destination: TierStore) -> None:
+    def _copy_to(self, key: str, destination: TierStore, copy_key: str) -> None:
         dirty = self._cache is not None and self._cache.state(key)[1]
         record = self._catalog.record(key)  # a copy clean above has its placement set already
         persisted = None if dirty else record.persisted
         placement = None if persisted is None else destination._chain.copy_in(persisted)
         if placement is None:
-            destination.put(key, self._get(key, None, False), cache=False).result()
+            destination.put(copy_key, self._get(key, None, False), cache=False).result()
             return
         copy = Record(record.shape, record.dtype, record.nbytes, persisted=placement)
-        destination._serial.submit(key, destination._commit_copy, key, copy).result()
+        destination._serial.submit(copy_key, destination._commit_copy, copy_key, copy).result()
 
     def _commit_copy(self, key: str, record: Record) -> None:
         self._catalog.commit(key, record)
@@ -476,7 +520,8 @@ class TierStore(Closeable):
 
     def close(self) -> None:
         """Finish issued operations and release all memory. A scratch store deletes its tier
-        objects; a persistent one writes back dirty objects and compacts its manifest instead."""
+        objects; a persistent one writes back dirty objects and compacts its manifest instead; a
+        read-only one only closes its tiers (it deletes and writes nothing)."""
         if self._closed:
             return
         if self._catalog.manifest is not None:
@@ -605,6 +650,12 @@ class TierStore(Closeable):
         if self._closed:
             raise StoreClosedError("the TierStore is closed")
 
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            manifest = self._catalog.manifest
+            assert manifest is not None
+            raise ReadOnlyStoreError(f"{what}: the store of manifest {manifest.directory} is open read-only")
+
     def _check_known(self, key: str) -> None:
         check_key(key)
         if key not in self._catalog and not self._serial.pending(key):
@@ -637,6 +688,18 @@ def _check_tiers(tiers: object) -> None:
                 f"tiers.{index}: expected a Tier or a Backend, got {type(tier).__name__} "
                 "(TierStore.from_config opens backends from URLs)"
             )
+
+
+def _check_read_only(read_only: object, manifest: object) -> None:
+    """Refuse a ``read_only`` that is not a bool, or that asks for a read-only scratch store
+    (beside :class:`~tierstore.config.StoreOptions`: how a store is opened, not an option of the
+    store a config document holds)."""
+    if not isinstance(read_only, bool):
+        raise ConfigError(f"read_only: must be True or False, not {read_only!r}")
+    if read_only and manifest is None:
+        raise ConfigError(
+            "read_only: a read-only store opens a persistent store's manifest; pass manifest=DIR"
+        )
 
 
 def _check_dense(what: str, tensor: torch.Tensor) -> None:
