@@ -1,5 +1,6 @@
 """TierStore behaviour over each persistent tier kind (DRAM backend and NVMe backend)."""
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -594,6 +595,56 @@ def test_copy_to_rejects_bad_input_and_copies_nothing(tmp_path: Path) -> None:
         source.copy_to(destination, "a")
     with pytest.raises(KeyNotFoundError):
         source.copy_to(destination, ["a", "missing"])
+    with pytest.raises(InvalidKeyError, match="leading '/'"):
+        source.copy_to(destination, ["a"], prefix="/abs/")
+    with pytest.raises(InvalidKeyError, match="prefix must be a str"):
+        source.copy_to(destination, ["a"], prefix=3)  # type: ignore[arg-type]
     assert destination.keys() == []
     source.close()
     destination.close()
+
+
+@pytest.mark.parametrize("cache_budget", [0, 1 << 20])
+def test_copy_to_a_prefix_keeps_two_copies_of_one_key_apart(tmp_path: Path, cache_budget: int) -> None:
+    """The same key copied twice under two prefixes (two checkpoints of one object): both
+    versions stay, each under its own key, linked or read and put alike."""
+    source = TierStore([Tier("t", open_backend(f"nvme://{tmp_path / 'source'}"))], cache_budget=cache_budget)
+    destination = TierStore([Tier("t", open_backend(f"nvme://{tmp_path / 'destination'}"))], cache_budget=0)
+    source.put("state", torch.full((4096,), 1.0)).result()
+    source.copy_to(destination, ["state"], prefix="step-1/")
+    source.put("state", torch.full((4096,), 2.0)).result()
+    source.copy_to(destination, ["state"], prefix="step-2/")
+    assert destination.keys() == ["step-1/state", "step-2/state"]
+    assert torch.equal(destination["step-1/state"], torch.full((4096,), 1.0))
+    assert torch.equal(destination["step-2/state"], torch.full((4096,), 2.0))
+    source.close()
+    destination.close()
+
+
+def test_a_resident_cache_refills_its_pages_with_objects_of_any_size() -> None:
+    """``cache_resident``: 32 MiB of objects, deleted, then 30 MiB of objects of another size. A
+    resident cache puts them in the pages it already has (the process's RSS does not grow); the
+    default pool keeps idle buffers by size and maps new pages for the new size."""
+    growth = {}
+    for resident in (False, True):
+        store = TierStore([open_backend("dram://")], cache_budget=64 << 20, cache_resident=resident)
+        try:
+            for index in range(8):
+                store.put(f"large{index}", torch.ones(1 << 20)).result()  # 4 MiB each
+            for index in range(8):
+                store.delete(f"large{index}")
+            before = _rss()
+            for index in range(40):
+                store.put(f"small{index}", torch.full((3 << 16,), float(index))).result()  # 768 KiB each
+            growth[resident] = _rss() - before
+            assert torch.equal(store["small7"], torch.full((3 << 16,), 7.0))
+        finally:
+            store.close()
+    assert growth[True] <= 2 << 20
+    assert growth[False] >= growth[True] + (16 << 20)
+
+
+def _rss() -> int:
+    """The process's resident set, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
