@@ -70,7 +70,10 @@ bench: $(VENV)/.bench
 		--plot benchmarks/results/apollo_quality.png
 	$(BIN)/python benchmarks/bench_deepspeed.py --steps 5 --repeats 3 --output benchmarks/results/deepspeed.json
 	$(BIN)/python benchmarks/bench_activations.py --repeats 3 --output benchmarks/results/activations.json
-	$(BIN)/python benchmarks/bench_checkpoint.py --repeats 3 --output benchmarks/results/checkpoint.json
+	RFS_SIZE=12G ../shared/tools/remote-tier.sh start
+	$(BIN)/python benchmarks/bench_checkpoint.py --repeats 3 --remote-mount /tmp/tierstore-remote/mnt \
+		--output benchmarks/results/checkpoint.json
+	../shared/tools/remote-tier.sh stop
 	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
 	$(BIN)/python benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 --plot benchmarks/results/beyond_memory.png \

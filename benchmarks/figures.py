@@ -39,13 +39,16 @@ COMMANDS: dict[str, str] = {
     "deepspeed": "benchmarks/bench_deepspeed.py --steps 5 --repeats 3 "
     "--output benchmarks/results/deepspeed.json",
     "activations": "benchmarks/bench_activations.py --repeats 3 --output benchmarks/results/activations.json",
-    "checkpoint": "benchmarks/bench_checkpoint.py --repeats 3 --output benchmarks/results/checkpoint.json",
+    "checkpoint": "benchmarks/bench_checkpoint.py --repeats 3 --remote-mount /tmp/tierstore-remote/mnt "
+    "--output benchmarks/results/checkpoint.json",
     "scale": "benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json",
     "fsdp": "benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json",
     "beyond_memory": "benchmarks/bench_beyond_memory.py --save-steps 3 "
     "--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json",
 }
 """Each benchmark's command line (run with the project's Python), which writes its JSON."""
+SETUP = {"checkpoint": "RFS_SIZE=12G ../shared/tools/remote-tier.sh start"}
+"""What a benchmark's command needs running first (the remote tier it drains to)."""
 
 
 def load(name: str, results: Path = RESULTS) -> dict[str, Any]:
@@ -87,7 +90,8 @@ def provenance(name: str, data: dict[str, Any]) -> str:
         if "mount" in meta:
             where += f", data on `{meta['mount']}`"
         when += f" on {where}"
-    return f"`python {COMMANDS[name]}` ({when}; raw data in `benchmarks/results/{name}.json`).\n\n"
+    setup = f"`{SETUP[name]}`, then " if name in SETUP else ""
+    return f"{setup}`python {COMMANDS[name]}` ({when}; raw data in `benchmarks/results/{name}.json`).\n\n"
 
 
 def nvme(data: dict[str, Any]) -> str:
