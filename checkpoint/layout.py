@@ -4,9 +4,10 @@ A checkpoint tier keeps persistent :class:`~tierstore.TierStore` manifests under
 ``<root>/.checkpoints`` (``<root>``: the local directory of the tier's first path), their objects
 on the tier's paths, striped and checksummed by the store:
 
-* **data stores** ``d-<session><n>``: on the first tier, one per writer, open (and so locked) while the
-  writer lives, its keys ``<save id>/<n>`` holding every save's items, a large item cut into
-  several keys of a bounded size; on the following tiers, one per drained (checkpoint, source
+* **data stores** ``d-<session><n>``: on the first tier, one per writer, open (and so locked)
+  while the writer lives, its keys ``<save id>/<n>`` holding every save's items, a large item cut into
+  several keys of a bounded size (a tensor copied from another store: ``<save id>/stored/<its
+  key>``); on the following tiers, one per drained (checkpoint, source
   store), holding the source's keys;
 * **commit stores** ``c-<name>-<session><n>``: one per committed checkpoint, with a single key
   :data:`RECORD_KEY`, written last: a header (magic, payload length, xxHash3 of the payload) and

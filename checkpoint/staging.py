@@ -10,9 +10,10 @@ more than the budget however large the state. An item larger than :func:`object_
 into several keys, so that every key fits the cache; items smaller than ``cache.pack_below``
 share pack objects when written back.
 
-``dcp.save`` puts every item as DCP resolves it, the small ones into the cache, to be packed at
-the flush, and the others straight to the tier from the tensor's memory, on the store's workers,
-several at once (no copy to wait for: DCP holds the state until the save returns). The stager of
+``dcp.save`` puts every item as DCP resolves it: the small ones stay in the cache, to be packed
+at the flush, the others are written through (to the tier as soon as they are copied, several
+puts at once, from the cache's huge-page buffers, whose 4 MiB requests reach the disk whole). The
+stager of
 ``dcp.async_save`` puts every tensor before DCP plans the save, so training waits only for the
 copies while the state fits the budget; the items the plan gives to other ranks (DCP saves a
 replicated item once) are deleted again before the flush.
@@ -76,9 +77,9 @@ class SaveItems:
         save_id: the save's id: its keys' prefix.
         key_bytes: the most bytes of one key (:func:`object_bytes` of the store's cache budget).
         copy: whether the caller may change the tensors once :meth:`wait` returns (the stager of
-            ``dcp.async_save``): every item is copied into the store's cache. Otherwise (a
-            ``dcp.save``, whose caller waits for :meth:`write`) only items the store packs are;
-            the others are written straight from the tensors' memory.
+            ``dcp.async_save``): every item stays in the store's cache until :meth:`write`.
+            Otherwise (a ``dcp.save``, whose caller waits for :meth:`write`) the items the store
+            does not pack are written through as they are put.
     """
 
     def __init__(
@@ -127,12 +128,11 @@ class SaveItems:
             parts = [flat[first : first + step] for first in range(0, flat.numel(), step)]
         for part in parts:
             name = f"{self.prefix}{next(self._serials)}"
-            # A save writes what is packed at the flush and what is larger at once, from the
-            # tensor's memory where it lies as it is (contiguous, on the CPU), on the store's
-            # workers; a stager copies everything into the cache.
-            cache = self.copy or entry.nbytes < self.store.pack_below or not _plain(part)
+            # A save writes what the store packs at the flush and the rest as soon as it is in
+            # the cache, several puts at once; a stager leaves everything in the cache.
+            write_through = not self.copy and entry.nbytes >= self.store.pack_below
             try:
-                self._puts.append(self.store.put(name, part, cache=cache))
+                self._puts.append(self.store.put(name, part, write_through=write_through))
             except BufferMismatchError as error:
                 raise BufferMismatchError(f"{key}: {error}") from error
             entry.keys.append(name)
@@ -190,11 +190,3 @@ class SaveItems:
                     self.store.delete(name)
         self._entries.clear()
         self._puts.clear()
-
-
-def _plain(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's memory is its values, laid out in order (else a write from it would
-    first copy it)."""
-    return (
-        tensor.device.type == "cpu" and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg())
-    )

@@ -86,8 +86,10 @@ class CheckpointTier:
         cache_resident: bool = False,
         pack_below: int = 64 << 10,
         memory_budget: int | None = None,
+        workers: int = 4,
     ) -> TierStore:
-        """Open the persistent store ``store`` (``d-...`` or ``c-...``) of this tier.
+        """Open the persistent store ``store`` (``d-...`` or ``c-...``) of this tier (the
+        arguments are :class:`~tierstore.TierStore`'s).
 
         Raises:
             StoreLockedError: (writable) another process or store has it open.
@@ -103,14 +105,19 @@ class CheckpointTier:
                 cache_resident=cache_resident,
                 pack_below=pack_below,
                 memory_budget=memory_budget,
+                workers=workers,
             )
         except BaseException:
             tier.close()
             raise
 
+    def write_slots(self) -> int:
+        """Writes the tier runs at once: its paths' ``max_writes`` together."""
+        return sum(path.max_writes for path in self.config.path_configs())
+
     def new_store_name(self, kind: str = "d", infix: str = "") -> str:
-        """A name for a store of this writer's session: ``d-<session>-<n>`` or
-        ``c-<name>-<session>-<n>``."""
+        """A name for a store of this writer's session: ``d-<session><n>`` or
+        ``c-<name>-<session><n>`` (8 hex digits each)."""
         return f"{kind}-{infix}{self.session()}{next(self._serials):08x}"
 
     def session(self) -> str:

@@ -85,9 +85,12 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
                 cache_resident=True,
                 pack_below=int(settings.cache.pack_below),
                 memory_budget=None if settings.memory_budget is None else int(settings.memory_budget),
+                workers=2 * fast.write_slots(),
             )
             """This writer's data store on the fast tier: every save's items, staged through its
-            cache (the config's ``cache.budget``)."""
+            cache (the config's ``cache.budget``). Twice as many workers as the tier has write
+            slots: a put holds its worker while it copies into the cache and then writes, so
+            while half copy, the other half keep every slot writing."""
         except BaseException:
             super().close()
             raise

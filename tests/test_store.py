@@ -184,6 +184,21 @@ def test_write_through_persists_before_resolving(open_store: StoreFactory) -> No
     assert len(tier_objects(store)) == 1
 
 
+def test_a_put_overrides_the_stores_policy(open_store: StoreFactory) -> None:
+    """``write_through`` per put: True writes a write-back store's object before resolving, False
+    leaves a write-through store's dirty in the cache; a non-bool is refused."""
+    back = open_store(policy="write-back")
+    back.put("through", torch.ones(1000), write_through=True).result()
+    back.put("back", torch.ones(1000)).result()
+    assert not back.info("through").dirty and back.info("through").tier is not None
+    assert back.info("back").dirty and len(tier_objects(back)) == 1
+    through = open_store(policy="write-through")
+    through.put("deferred", torch.ones(1000), write_through=False).result()
+    assert through.info("deferred").dirty and not tier_objects(through)
+    with pytest.raises(ConfigError, match="write_through"):
+        through.put("bad", torch.ones(3), write_through="yes")  # type: ignore[arg-type]
+
+
 def test_write_back_defers_tier_writes_until_flush(open_store: StoreFactory) -> None:
     store = open_store(policy="write-back")
     store["w"] = torch.ones(1000)

@@ -281,7 +281,13 @@ class TierStore(Closeable):
 
     # -- public API: asynchronous ----------------------------------------------------------------
     def put(
-        self, key: str, tensor: torch.Tensor, *, cache: bool = True, scratch: bool = False
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        *,
+        cache: bool = True,
+        scratch: bool = False,
+        write_through: bool | None = None,
     ) -> Future[None]:
         """Store ``tensor`` under ``key``; the tensor is borrowed until the future resolves (do
         not modify it before then).
@@ -295,6 +301,10 @@ class TierStore(Closeable):
             scratch: an object written once, read once and deleted (a spilled activation): it
                 skips the cache and is never journaled, so a persistent store forgets it (and
                 collects it) at the next open.
+            write_through: for a cached put, whether it is written to a tier before its future
+                resolves (and stays cached, clean); None for the store's ``policy``. A caller
+                saving many objects it waits for (a checkpoint) gets the copies into the cache
+                and the writes out of it overlapping, several puts at once.
 
         Returns:
             A future that resolves once the object is committed (durable on a tier for a
@@ -303,8 +313,9 @@ class TierStore(Closeable):
         Raises:
             InvalidKeyError: a bad key. BufferMismatchError: not a tensor, or one without plain
             memory (nested, quantized, sparse, meta). StoreClosedError: the store is closed.
-            ReadOnlyStoreError: the store is read-only. Through the future: BackendIOError or
-            CapacityError when no tier can take it.
+            ReadOnlyStoreError: the store is read-only. ConfigError: ``write_through`` is not a
+            bool or None. Through the future: BackendIOError or CapacityError when no tier can
+            take it.
         """
         self._check_open()
         self._check_writable(f"put({key!r})")
@@ -312,7 +323,12 @@ class TierStore(Closeable):
         if not isinstance(tensor, torch.Tensor):
             raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
         _check_dense(f"put({key!r})", tensor)
-        return self._serial.submit(key, self._put, key, tensor.detach(), cache and not scratch, scratch)
+        if write_through is None:
+            write_through = self.policy == "write-through"
+        elif not isinstance(write_through, bool):
+            raise ConfigError(f"put({key!r}): write_through is True, False or None, not {write_through!r}")
+        cached = cache and not scratch
+        return self._serial.submit(key, self._put, key, tensor.detach(), cached, scratch, write_through)
 
     def get(self, key: str, out: torch.Tensor | None = None, *, cache: bool = True) -> Future[torch.Tensor]:
         """Read ``key``, after the operations already issued on it.
@@ -554,7 +570,7 @@ class TierStore(Closeable):
         return len(self._catalog)
 
     # -- operations (run on the serializer, one key at a time) -----------------------------------
-    def _put(self, key: str, tensor: torch.Tensor, cached: bool, scratch: bool) -> None:
+    def _put(self, key: str, tensor: torch.Tensor, cached: bool, scratch: bool, write_through: bool) -> None:
         record = Record(
             tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), scratch=scratch
         )
@@ -569,7 +585,7 @@ class TierStore(Closeable):
         entry = cache.new_entry(key, record, dirty=True)
         try:
             entry.typed().copy_(tensor)
-            if self.policy == "write-through":
+            if write_through:
                 record.persisted = self._chain.write(entry.memoryview(), Priority.CRITICAL).result()
                 entry.dirty = False
             self._catalog.commit(key, record)
