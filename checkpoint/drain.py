@@ -161,9 +161,8 @@ class Drainer:
             storage = {
                 index: {**item, "store": copies[item["store"]]} for index, item in record.items().items()
             }
-            target.commit(
-                record.name, record.save_id, dataclasses.replace(record.metadata, storage_data=storage)
-            )
+            metadata = dataclasses.replace(record.metadata, storage_data=storage)
+            target.commit(record.name, record.save_id, metadata, record.committed_at)
         except BaseException:
             for copy_name in copies.values():
                 target.remove_store(copy_name)

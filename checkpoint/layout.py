@@ -85,7 +85,8 @@ class Committed:
     name: str
     save_id: str
     committed_at: int
-    """``time.time_ns()`` at the commit: the newest record of a name wins."""
+    """``time.time_ns()`` at the save's commit on the first tier (a drained copy keeps it): the
+    newest record of a name wins."""
     store: str
     """The commit store holding the record (``c-<name>-<id>``)."""
     metadata: dcp_metadata.Metadata

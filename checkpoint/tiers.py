@@ -134,11 +134,17 @@ class CheckpointTier:
             return self._session_id
 
     # -- records ----------------------------------------------------------------------------------
-    def commit(self, name: str, save_id: str, metadata: Any) -> Committed:
+    def commit(self, name: str, save_id: str, metadata: Any, committed_at: int | None = None) -> Committed:
         """Write the record that commits checkpoint ``name`` (its data already committed in its
-        data stores) in a commit store of its own."""
+        data stores) in a commit store of its own.
+
+        Args:
+            committed_at: when the save committed (``time.time_ns()``); None for now. A drained
+                copy keeps its save's, so that the newest save of a name stays the newest on
+                every tier whatever order the drains end in.
+        """
         store_name = self.new_store_name("c", f"{name}-")
-        committed_at = time.time_ns()
+        committed_at = time.time_ns() if committed_at is None else committed_at
         payload = {
             "format": FORMAT,
             "name": name,

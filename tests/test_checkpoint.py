@@ -319,6 +319,28 @@ def test_retention_keeps_what_it_says(tmp_path: Path) -> None:
     worker.assert_same(load_steps(settings, "step-4"), worker.step_state(9))
 
 
+def test_two_writers_with_default_arguments_on_one_config_keep_apart(tmp_path: Path) -> None:
+    """Two writers on the same tiers (two jobs, or two in one process) each save into a store of
+    their own: their checkpoints all load, and a name both save is the later save's on every tier,
+    though its drain ends first (the slow tier takes 2 MB/s: the earlier save is larger). Once
+    both close, nothing is left that no checkpoint uses."""
+    slowed = {"type": "throttle", "inner": f"nvme://{tmp_path / 'slow'}", "write_bytes_per_s": "2MB"}
+    settings = config(tmp_path, slow=slowed)
+    larger = {**worker.step_state(3), "extra": torch.zeros(1 << 18)}  # 1 MiB more to drain
+    with TieredStorageWriter(settings) as first, TieredStorageWriter(settings) as second:
+        save(larger, checkpoint_id="shared", storage_writer=first)  # its drain starts at once
+        save(worker.step_state(4), checkpoint_id="shared", storage_writer=second)
+        save(worker.step_state(1), checkpoint_id="first", storage_writer=first)
+        save(worker.step_state(2), checkpoint_id="second", storage_writer=second)
+        first.wait_durable()
+        second.wait_durable()
+    for name, step in (("first", 1), ("second", 2), ("shared", 4)):
+        worker.assert_same(load_steps(settings, name), worker.step_state(step), name)
+    worker.assert_same(load_steps(only(settings, "slow"), "shared"), worker.step_state(4), "slow")
+    with TieredStorageWriter(config(tmp_path)):
+        assert objects_on_disk(tmp_path) == referenced(settings)
+
+
 def test_store_objects_are_linked_into_the_checkpoint_and_loaded_back(tmp_path: Path) -> None:
     """An offloaded optimizer's state lives in a store on the same file system: the save hard-links
     its files (no byte read), the store then replaces them, and the load puts the saved ones back."""
