@@ -311,11 +311,13 @@ class TierStore(Closeable):
             write-through or bypassing put, in the cache otherwise).
 
         Raises:
-            InvalidKeyError: a bad key. BufferMismatchError: not a tensor, or one without plain
-            memory (nested, quantized, sparse, meta). StoreClosedError: the store is closed.
-            ReadOnlyStoreError: the store is read-only. ConfigError: ``write_through`` is not a
-            bool or None. Through the future: BackendIOError or CapacityError when no tier can
-            take it.
+            InvalidKeyError: a bad key.
+            BufferMismatchError: not a tensor, or one without plain memory (nested, quantized,
+                sparse, meta).
+            StoreClosedError: the store is closed.
+            ReadOnlyStoreError: the store is read-only.
+            ConfigError: ``write_through`` is not a bool or None.
+            BackendIOError: (through the future) no tier can take it; CapacityError likewise.
         """
         self._check_open()
         self._check_writable(f"put({key!r})")
