@@ -20,7 +20,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,66 +208,54 @@ class CheckpointTier:
     def delete(self, record: Committed, own: tuple[str, TierStore] | None = None) -> None:
         """Uncommit checkpoint ``record`` (its record goes first), then delete its keys from its
         data stores. ``own`` is this writer's open data store (name, store), whose keys it deletes
-        itself; a
-        data store another live writer holds keeps the keys until that writer cleans it
+        itself; a data store another live writer holds keeps the keys until that writer cleans it
         (:meth:`release_unreferenced`) or dies and the next writer collects them."""
         with self._lock:
             self._records.pop(record.store, None)
         if not self.remove_store(record.store):
             return  # being committed right now: a save under that name is still running
         for store_name, keys in record.keys_by_store().items():
+            doomed = set(keys).__contains__
             if own is not None and store_name == own[0]:
-                for key in keys:
-                    with contextlib.suppress(KeyNotFoundError):
-                        own[1].delete(key)
-                continue
-            self._delete_keys(store_name, set(keys), remove_if_empty=True)
+                _delete_from(own[1], doomed)
+            else:
+                self._delete_from_closed(store_name, doomed)
 
     def remove_store(self, store_name: str) -> bool:
         """Delete every key of a store no one has open, then its manifest; False if it is open."""
-        return self._delete_keys(store_name, None, remove_if_empty=True)
+        return self._delete_from_closed(store_name, lambda key: True)
 
-    def _delete_keys(self, store_name: str, keys: set[str] | None, *, remove_if_empty: bool) -> bool:
-        """Delete ``keys`` (None: all) from a store no one has open; remove it once empty. False
-        where another process or store has it open."""
+    def _delete_from_closed(self, store_name: str, doomed: Callable[[str], bool]) -> bool:
+        """Delete the ``doomed`` keys of a store no one has open, and the store once it is empty.
+        False where another process or store has it open."""
         try:
             store = self.open_store(store_name)
         except StoreLockedError:
             return False
-        except (ManifestError, ConfigError) as error:  # not a store this package can read: left alone
-            raise ManifestError(
-                error.errno if isinstance(error, ManifestError) else None,
-                f"tier {self.name!r}: checkpoint store {store_name!r} cannot be opened: {error}",
-            ) from error
         with store:
-            for key in store.keys() if keys is None else keys:
-                with contextlib.suppress(KeyNotFoundError):
-                    store.delete(key)
+            _delete_from(store, doomed)
             empty = len(store) == 0
-        if empty and remove_if_empty:
+        if empty:
             shutil.rmtree(self.directory / store_name, ignore_errors=True)
         return True
 
     # -- leftovers --------------------------------------------------------------------------------
-    def collect(self, own: Collection[str] = ()) -> None:
+    def collect(self) -> None:
         """Delete what ended sessions left: commit stores without a whole record, and data-store
-        keys no record uses (stores left empty go too). Live sessions' stores, and ``own``
-        (this writer's), are never touched."""
+        keys no record uses (stores left empty go too). Live sessions' stores are never touched."""
         dead = self._dead_sessions()
         try:
             records = self.scan()
-            used: dict[str, set[str]] = {}
-            for record in records:
-                for store_name, keys in record.keys_by_store().items():
-                    used.setdefault(store_name, set()).update(keys)
+            used = _used_keys(records)
             valid = {record.store for record in records}
             for store_name in self._listing():
-                if store_name in own or _session_of(store_name) not in dead:
+                if _session_of(store_name) not in dead:
                     continue
                 if COMMIT_STORE.fullmatch(store_name) and store_name not in valid:
                     self.remove_store(store_name)
                 elif DATA_STORE.fullmatch(store_name):
-                    self._collect_data_store(store_name, used.get(store_name, set()))
+                    kept = used.get(store_name, set())
+                    self._delete_from_closed(store_name, lambda key, kept=kept: key not in kept)
         finally:
             for session_id, lock in dead.items():
                 if lock is not None:
@@ -281,27 +269,10 @@ class CheckpointTier:
         The keys are listed first, the saves in flight next, the records last: a key listed
         belongs to a save registered in flight before its first put, which leaves that set only
         once its record is committed (and so found) or its save has failed."""
-        keys = store.keys()
+        keys = set(store.keys())
         prefixes = tuple(in_flight())
-        used: set[str] = set()
-        for record in self.scan():
-            used.update(record.keys_by_store().get(name, ()))
-        for key in keys:
-            if key not in used and not key.startswith(prefixes):
-                with contextlib.suppress(KeyNotFoundError):
-                    store.delete(key)
-
-    def _collect_data_store(self, store_name: str, used: set[str]) -> None:
-        try:
-            with self.open_store(store_name) as store:
-                for key in store:
-                    if key not in used:
-                        store.delete(key)
-                empty = len(store) == 0
-        except StoreLockedError:
-            return
-        if empty:
-            shutil.rmtree(self.directory / store_name, ignore_errors=True)
+        used = _used_keys(self.scan()).get(name, set())
+        _delete_from(store, lambda key: key in keys and key not in used and not key.startswith(prefixes))
 
     def _dead_sessions(self) -> dict[str, FileLock | None]:
         """Sessions that have ended, each with its lock now held by this process (None for a
@@ -318,12 +289,9 @@ class CheckpointTier:
             locks.add(session_id)
             if session_id == self._session_id:
                 continue
-            lock = FileLock(self.directory / entry, mode=0o600, is_singleton=False)
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                continue
-            dead[session_id] = lock
+            lock = self._take_lock(entry)
+            if lock is not None:
+                dead[session_id] = lock
         for store_name in self._listing():
             owner = _session_of(store_name)
             if owner is not None and owner not in locks:
@@ -331,13 +299,19 @@ class CheckpointTier:
         return dead
 
     def _remove_if_abandoned(self, entry: str) -> None:
+        lock = self._take_lock(entry)
+        if lock is not None:
+            (self.directory / entry).unlink(missing_ok=True)
+            lock.release()
+
+    def _take_lock(self, entry: str) -> FileLock | None:
+        """The lock of file ``entry`` if no one holds it (its session has ended), else None."""
         lock = FileLock(self.directory / entry, mode=0o600, is_singleton=False)
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            return
-        (self.directory / entry).unlink(missing_ok=True)
-        lock.release()
+            return None
+        return lock
 
     def _listing(self, *, everything: bool = False) -> list[str]:
         """The checkpoint stores in the tier's directory (``everything``: lock files too)."""
@@ -419,3 +393,20 @@ def _session_of(store_name: str) -> str | None:
     if match is None:
         return None
     return store_name[-16:-8]
+
+
+def _delete_from(store: TierStore, doomed: Callable[[str], bool]) -> None:
+    """Delete the keys of an open store that ``doomed`` picks (one deleted meanwhile is skipped)."""
+    for key in list(store):
+        if doomed(key):
+            with contextlib.suppress(KeyNotFoundError):
+                store.delete(key)
+
+
+def _used_keys(records: list[Committed]) -> dict[str, set[str]]:
+    """The keys ``records`` use, by data store."""
+    used: dict[str, set[str]] = {}
+    for record in records:
+        for store_name, keys in record.keys_by_store().items():
+            used.setdefault(store_name, set()).update(keys)
+    return used
