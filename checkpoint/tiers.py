@@ -254,8 +254,7 @@ class CheckpointTier:
                 if COMMIT_STORE.fullmatch(store_name) and store_name not in valid:
                     self.remove_store(store_name)
                 elif DATA_STORE.fullmatch(store_name):
-                    kept = used.get(store_name, set())
-                    self._delete_from_closed(store_name, lambda key, kept=kept: key not in kept)
+                    self._delete_from_closed(store_name, _unused(used.get(store_name, set())))
         finally:
             for session_id, lock in dead.items():
                 if lock is not None:
@@ -410,3 +409,8 @@ def _used_keys(records: list[Committed]) -> dict[str, set[str]]:
         for store_name, keys in record.keys_by_store().items():
             used.setdefault(store_name, set()).update(keys)
     return used
+
+
+def _unused(kept: set[str]) -> Callable[[str], bool]:
+    """Picks the keys not in ``kept``."""
+    return lambda key: key not in kept
