@@ -41,10 +41,10 @@ lint: $(VENV)/.test
 	$(BIN)/ruff format --check .
 	rm -rf $(TYPED_TREE) && mkdir -p $(TYPED_TREE)/tierstore
 	ln -s $(CURDIR)/tierstore/* $(TYPED_TREE)/tierstore/
-	ln -s $(CURDIR)/tests $(CURDIR)/benchmarks $(TYPED_TREE)/
+	ln -s $(CURDIR)/tests $(CURDIR)/benchmarks $(CURDIR)/tools $(TYPED_TREE)/
 	for package in backends optimizer activations checkpoint integrations; do \
 		ln -s $(CURDIR)/$$package $(TYPED_TREE)/tierstore/$$package; done
-	cd $(TYPED_TREE) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml tierstore tests benchmarks
+	cd $(TYPED_TREE) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml tierstore tests benchmarks tools
 
 # Benchmarks need fio, and DeepSpeed's baseline libaio-dev (Debian packages); run as root so they
 # can be installed and caches dropped. Never part of `make test`.
@@ -96,4 +96,13 @@ showcase: $(VENV)/.bench
 		--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json
 
 clean:
-	rm -rf $(VENV) *.egg-info tierstore-data bench-data $(TYPED_TREE) site build/docs-tree
+	rm -rf $(VENV) *.egg-info tierstore-data bench-data $(TYPED_TREE) site build/docs-tree $(GPU_BUNDLE)
+
+# The GPU check's bundle (docs/development.md, "GPU check"): tierstore's wheel, the wheels of the
+# runtime needs a GPU node lacks (for its Python: GPU_PYTHON), the tests, the GPU benchmarks and the
+# runner, for a node without a package index: there, `python3 .gpu-bundle/run.py`.
+GPU_BUNDLE := .gpu-bundle
+GPU_PYTHON ?= 3.12
+.PHONY: gpu-bundle
+gpu-bundle: $(VENV)/.test
+	$(BIN)/python tools/gpu_check.py --out $(GPU_BUNDLE) --python-version $(GPU_PYTHON)
