@@ -109,9 +109,7 @@ class ActivationOffload:
         namespace: str | None = None,
     ) -> None:
         self.store = store
-        options = check_arguments(
-            ActivationOptions, {"budget": budget, "min_bytes": min_bytes, "plan": plan}, typed=False
-        )
+        options = check_arguments(ActivationOptions, {"budget": budget, "min_bytes": min_bytes, "plan": plan})
         self.budget = int(options.budget)
         self.min_bytes = int(options.min_bytes)
         self.plan_mode: Plan = plan

@@ -104,9 +104,10 @@ class OffloadedAPOLLO(StagedOptimizer):
         sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
         max_grad_norm: clip the global gradient norm to this (as ``clip_grad_norm_``); None for
             no clipping.
-        dram_budget: bytes of fp32 state this optimizer holds in DRAM: the ring of
-            ``prefetch_depth`` read-ahead buffers, the fp32 gradient buffer, and the sub-groups
-            kept cached between steps; None for the ring and the gradient buffer only.
+        dram_budget: bytes of fp32 state this optimizer holds in DRAM (an int, or text such as
+            ``"64MiB"``): the ring of ``prefetch_depth`` read-ahead buffers, the fp32 gradient
+            buffer, and the sub-groups kept cached between steps; None for the ring and the
+            gradient buffer only.
         prefetch_depth: sub-groups read ahead of the one being updated.
         cache_policy: which sub-groups stay cached between steps: ``"model"`` asks
             :func:`tierstore.model.plan_pass`, ``"static"`` keeps the last K that fit as
@@ -148,7 +149,7 @@ class OffloadedAPOLLO(StagedOptimizer):
         disable_nl: bool = False,
         sub_group_size: int = 100_000_000,
         max_grad_norm: float | None = None,
-        dram_budget: int | None = None,
+        dram_budget: int | str | None = None,
         prefetch_depth: int = 2,
         cache_policy: CachePolicy = "model",
         namespace: str = "apollo",

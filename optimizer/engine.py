@@ -73,8 +73,9 @@ class StagedOptimizer(torch.optim.Optimizer):
         defaults: the hyper-parameters a group takes for the keys it leaves out.
         sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
         max_grad_norm: clip the global gradient norm to this; None for no clipping.
-        dram_budget: bytes of fp32 DRAM the optimizer holds (read-ahead ring, gradient buffer and
-            sub-groups kept between steps); None for the ring and the gradient buffer only.
+        dram_budget: bytes of fp32 DRAM the optimizer holds (an int, or text such as ``"64MiB"``):
+            read-ahead ring, gradient buffer and sub-groups kept between steps; None for the ring
+            and the gradient buffer only.
         prefetch_depth: sub-groups read ahead of the one being updated.
         cache_policy: which sub-groups stay in DRAM between steps: ``"model"`` (the I/O model's
             choice), ``"static"`` (the last that fit) or ``"none"``.
@@ -112,7 +113,7 @@ class StagedOptimizer(torch.optim.Optimizer):
         *,
         sub_group_size: int,
         max_grad_norm: float | None,
-        dram_budget: int | None,
+        dram_budget: int | str | None,
         prefetch_depth: int,
         cache_policy: CachePolicy,
         namespace: str,

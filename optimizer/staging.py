@@ -73,9 +73,9 @@ class SubGroupStager:
         store: the store holding the sub-group objects, and whose ledger the DRAM is reserved from.
         namespace: the prefix of the sub-groups' store keys, claimed on the store.
         slot_elements: fp32 values of the largest sub-group (the size of each ring buffer).
-        dram_budget: bytes of DRAM the stager holds: the working set (``prefetch_depth`` ring
-            buffers and ``reserved_bytes``) and room for kept sub-groups; None for the working
-            set only (nothing kept).
+        dram_budget: bytes of DRAM the stager holds (an int, or text such as ``"64MiB"``): the
+            working set (``prefetch_depth`` ring buffers and ``reserved_bytes``) and room for
+            kept sub-groups; None for the working set only (nothing kept).
         prefetch_depth: sub-groups read ahead of the one being updated (the ring's buffers).
         cache_policy: which sub-groups stay in DRAM between passes: ``"model"`` (the I/O
             model's choice), ``"static"`` (the last that fit) or ``"none"``.
@@ -98,16 +98,17 @@ class SubGroupStager:
         namespace: str,
         *,
         slot_elements: int,
-        dram_budget: int | None,
+        dram_budget: int | str | None,
         prefetch_depth: int = 2,
         cache_policy: CachePolicy = "model",
         reserved_bytes: int = 0,
         owner: str = "SubGroupStager",
     ) -> None:
-        check_arguments(
+        options = check_arguments(
             StagingOptions,
             {"dram_budget": dram_budget, "prefetch_depth": prefetch_depth, "cache_policy": cache_policy},
         )
+        given = None if options.dram_budget is None else int(options.dram_budget)
         self.store = store
         self.prefetch_depth = prefetch_depth
         self.cache_policy = cache_policy
@@ -116,9 +117,9 @@ class SubGroupStager:
         """DRAM a pass needs whatever it keeps: the ring and the caller's own (gradient) buffer."""
         self.reserved_bytes = reserved_bytes
         working = self.working_bytes
-        self._budget_follows = dram_budget is None
+        self._budget_follows = given is None
         """No budget given: it is the working set, and follows it when :meth:`grow` enlarges it."""
-        budget = working if dram_budget is None else dram_budget
+        budget = working if given is None else given
         if budget < working:
             raise CapacityError(
                 f"dram_budget of {budget} bytes is below the working set of {working} bytes "

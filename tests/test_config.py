@@ -1,8 +1,10 @@
+import importlib.util
 import inspect
 import json
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,11 +12,13 @@ from pydantic.fields import FieldInfo
 from tierstore.activations import ActivationOffload
 from tierstore.activations.options import ActivationOptions
 from tierstore.backends.dram import DramBackend, DramOptions
-from tierstore.integrations.deepspeed.config import ActivationsSection, TierstoreSection
+from tierstore.backends.registry import BUILTIN_BACKENDS, backend_class
+from tierstore.integrations.deepspeed.config import ActivationsSection, TierstoreSection, parse_section
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO
 from tierstore.optimizer.options import StagingOptions
 
-from tierstore import ConfigError, TierStore, UnwritablePathError, default_config, load_config
+from tierstore import ConfigError, Tier, TierStore, UnwritablePathError, default_config, load_config
+from tierstore._checks import ConfigModel
 from tierstore.config import STORE_ARGUMENTS, StoreOptions, parse_byte_size
 
 
@@ -145,7 +149,7 @@ def test_a_boolean_size_in_a_toml_file_or_from_python_is_refused(tmp_path: Path)
     (tmp_path / "c.toml").write_text('[cache]\nbudget = true\n[[tiers]]\nname = "a"\nbackend = "dram://"\n')
     with pytest.raises(ConfigError, match=r"cache\.budget: .*not the boolean true"):
         load_config(tmp_path / "c.toml")
-    with pytest.raises(ConfigError, match="True is not a size"):
+    with pytest.raises(ConfigError, match=r"^must be a number of bytes >= 0 .*, not True$"):
         parse_byte_size(True)
     assert parse_byte_size(4096) == 4096 and parse_byte_size("1KiB") == 1024
     # where a field is a bool, a bool is still welcome
@@ -269,11 +273,183 @@ def test_constructor_and_document_refuse_the_same_option(
     backend.close()
 
 
-def test_a_size_is_text_in_a_document_and_an_integer_from_python() -> None:
-    assert load_config({"cache": {"budget": "1MiB"}, "tiers": [{"name": "a", "backend": "dram://"}]})
-    for text in ("1MiB", 1.5e6, 2.0):
-        with pytest.raises(ConfigError, match=r"^cache_budget: must be a number of bytes >= 0, not "):
-            TierStore([DramBackend(DramOptions())], cache_budget=text)  # type: ignore[arg-type]
+SIZE_REFUSED = r"must be a number of bytes >= \d+ \(an integer or text such as '64MiB'\), not "
+"""What every size in bytes says when it is refused, whoever takes it (its least value: 0, or a
+larger bound of its own)."""
+
+
+def on_a_store(make: Callable[[TierStore, Any], Any]) -> Callable[[Any, Path], object]:
+    """A size given to something made on a store (a workload, a staging area), closed after."""
+
+    def use(value: Any, tmp_path: Path) -> None:
+        with TierStore([DramBackend(DramOptions())], cache_budget=0) as store:
+            make(store, value).close()
+
+    return use
+
+
+def opened(document: dict[str, Any]) -> None:
+    """A document whose tiers must be opened for their backends' options to be checked."""
+    TierStore.from_config({"cache": {"budget": 0}, **document}).close()
+
+
+def on_a_tier(field: str, backend: Callable[[Path], dict[str, Any]]) -> Callable[[Any, Path], object]:
+    """A size in the table of a tier's backend."""
+    return lambda value, tmp_path: opened(
+        {"tiers": [{"name": "a", "backend": {**backend(tmp_path), field: value}}]}
+    )
+
+
+def dram_tier(**fields: Any) -> dict[str, Any]:
+    return {"tiers": [{"name": "a", "backend": "dram://", **fields}]}
+
+
+def bandwidth(value: Any) -> dict[str, Any]:
+    return {
+        "tiers": [
+            {"name": "a", "paths": [{"backend": "dram://", "bandwidth": {"read": value, "write": value}}]}
+        ]
+    }
+
+
+PYTHON_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
+    # case: (the argument the error names, a use of the value)
+    "TierStore cache_budget": (
+        "cache_budget",
+        lambda v, _: TierStore([DramBackend(DramOptions())], cache_budget=v).close(),
+    ),
+    "TierStore pack_below": (
+        "pack_below",
+        lambda v, _: TierStore([DramBackend(DramOptions())], pack_below=v).close(),
+    ),
+    "TierStore memory_budget": (
+        "memory_budget",
+        lambda v, _: TierStore([DramBackend(DramOptions())], cache_budget=0, memory_budget=v).close(),
+    ),
+    "Tier capacity": ("capacity", lambda v, _: Tier("a", DramBackend(DramOptions()), capacity=v).close()),
+    "TierStore.staging budget": ("owner: budget", on_a_store(lambda store, v: store.staging("owner", v))),
+    "TierStore.staging pool_bytes": (
+        "pool_bytes",
+        on_a_store(lambda store, v: store.staging("owner", "64MiB", pool_bytes=v)),
+    ),
+    "OffloadedAdamW dram_budget": (
+        "dram_budget",
+        on_a_store(lambda store, v: OffloadedAdamW(torch.nn.Linear(4, 4).parameters(), store, dram_budget=v)),
+    ),
+    "OffloadedAPOLLO dram_budget": (
+        "dram_budget",
+        on_a_store(
+            lambda store, v: OffloadedAPOLLO(torch.nn.Linear(4, 4).parameters(), store, dram_budget=v)
+        ),
+    ),
+    "ActivationOffload budget": ("budget", on_a_store(lambda store, v: ActivationOffload(store, budget=v))),
+    "ActivationOffload min_bytes": (
+        "min_bytes",
+        on_a_store(lambda store, v: ActivationOffload(store, min_bytes=v)),
+    ),
+}
+"""Every size in bytes a public class or function takes from Python."""
+
+DOCUMENT_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
+    # the option's definition (model.field): (the key the error names, a document holding the value)
+    "CacheConfig.budget": ("cache.budget", lambda v, _: opened({"cache": {"budget": v}, **dram_tier()})),
+    "CacheConfig.pack_below": (
+        "cache.pack_below",
+        lambda v, _: opened({"cache": {"pack_below": v}, **dram_tier()}),
+    ),
+    "StoreOptions.memory_budget": ("memory_budget", lambda v, _: opened({"memory_budget": v, **dram_tier()})),
+    "TierConfig.capacity": ("tiers.0.capacity", lambda v, _: opened(dram_tier(capacity=v))),
+    "BandwidthConfig.read": ("tiers.0.paths.0.bandwidth.read", lambda v, _: opened(bandwidth(v))),
+    "BandwidthConfig.write": ("tiers.0.paths.0.bandwidth.write", lambda v, _: opened(bandwidth(v))),
+    "NvmeOptions.chunk_bytes": (
+        "tiers.0.backend.chunk_bytes",
+        on_a_tier("chunk_bytes", lambda tmp_path: {"type": "nvme", "path": str(tmp_path / "nvme")}),
+    ),
+    "ZarrOptions.chunk_bytes": (
+        "tiers.0.backend.chunk_bytes",
+        on_a_tier("chunk_bytes", lambda tmp_path: {"type": "zarr", "url": str(tmp_path / "zarr")}),
+    ),
+    "Adios2Options.transfer_bytes": (
+        "tiers.0.backend.transfer_bytes",
+        on_a_tier("transfer_bytes", lambda tmp_path: {"type": "adios2", "path": str(tmp_path / "adios2")}),
+    ),
+    "ThrottleOptions.read_bytes_per_s": (
+        "tiers.0.backend.read_bytes_per_s",
+        on_a_tier("read_bytes_per_s", lambda _: {"type": "throttle", "inner": "dram://"}),
+    ),
+    "ThrottleOptions.write_bytes_per_s": (
+        "tiers.0.backend.write_bytes_per_s",
+        on_a_tier("write_bytes_per_s", lambda _: {"type": "throttle", "inner": "dram://"}),
+    ),
+    "ThrottleOptions.piece_bytes": (
+        "tiers.0.backend.piece_bytes",
+        on_a_tier("piece_bytes", lambda _: {"type": "throttle", "inner": "dram://"}),
+    ),
+    "StagingOptions.dram_budget": (
+        "tierstore.dram_budget",
+        lambda v, _: parse_section({"tierstore": {"dram_budget": v}}),
+    ),
+    "ActivationOptions.budget": (
+        "tierstore.activations.budget",
+        lambda v, _: parse_section({"tierstore": {"activations": {"budget": v}}}),
+    ),
+    "ActivationOptions.min_bytes": (
+        "tierstore.activations.min_bytes",
+        lambda v, _: parse_section({"tierstore": {"activations": {"min_bytes": v}}}),
+    ),
+}
+"""Every size in bytes of a configuration document (a store's, a backend's table, the DeepSpeed
+config's section), by the option model's field that defines it."""
+
+OPTIONAL_PACKAGES = {"ZarrOptions": "zarr", "Adios2Options": "adios2"}
+
+
+def size_cases() -> list[Any]:
+    cases = []
+    for source in (PYTHON_SIZES, DOCUMENT_SIZES):
+        for case, (name, use) in source.items():
+            package = OPTIONAL_PACKAGES.get(case.split(".")[0])
+            missing = package is not None and importlib.util.find_spec(package) is None
+            skip = pytest.mark.skipif(missing, reason=f"needs {package}")
+            cases.append(pytest.param(name, use, id=case, marks=skip))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "use"), size_cases())
+def test_every_size_in_bytes_follows_one_rule(
+    name: str, use: Callable[[Any, Path], object], tmp_path: Path
+) -> None:
+    """From Python and in a document alike, a size is an integer or text such as "64MiB"; a
+    negative size or text that is no size is refused with one message naming the argument or
+    the key."""
+    use("64MiB", tmp_path)
+    use(64 << 20, tmp_path)
+    for value in (-1, "-1MiB", "lots"):
+        with pytest.raises(
+            ConfigError, match=rf"\b{re.escape(name)}:? {SIZE_REFUSED}{re.escape(repr(value))}(;|$)"
+        ):
+            use(value, tmp_path)
+
+
+def test_every_size_option_is_in_the_rule_test() -> None:
+    """A size in bytes added to any option model is added to the test above, which shows that it
+    follows the one rule."""
+    for name in BUILTIN_BACKENDS:
+        backend_class(name)  # the backends' option models
+    defined = set()
+    for model in all_subclasses(ConfigModel):
+        for field, info in model.model_fields.items():
+            if "ByteSize" in str(info.annotation):
+                owner = next(
+                    base for base in reversed(model.__mro__) if field in getattr(base, "__annotations__", {})
+                )
+                defined.add(f"{owner.__name__}.{field}")
+    assert defined == set(DOCUMENT_SIZES)
+
+
+def all_subclasses(model: type) -> set[type]:
+    found = set(model.__subclasses__())
+    return found.union(*(all_subclasses(sub) for sub in found))
 
 
 def test_from_config_passes_every_option_to_the_store(tmp_path: Path) -> None:

@@ -269,8 +269,8 @@ def test_timeline_accounts_for_every_byte() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"capacity": True}, r"capacity must be bytes >= 0 or None, not True"),
-        ({"capacity": -1}, r"capacity must be bytes >= 0 or None, not -1"),
+        ({"capacity": True}, r"capacity must be a number of bytes >= 0 \(.*\), not True"),
+        ({"capacity": -1}, r"capacity must be a number of bytes >= 0 \(.*\), not -1"),
         ({"stripe_by": "latency"}, r"stripe_by must be 'round-trip', 'write' or 'read', not 'latency'"),
         ({"paths": ["dram://"]}, r"paths\.0 must be a TierPath or a Backend, not str"),
         ({"paths": "dram://"}, r"paths\.0 must be a TierPath or a Backend, not str"),

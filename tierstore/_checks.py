@@ -6,16 +6,19 @@ default, its constraints, and what it means in the docstring under it. Everythin
 option validates through that field:
 
 * a configuration document (a dict, a TOML or JSON file, the DeepSpeed config's section), with
-  ``Model.model_validate``: sizes may be text there (``"512MiB"``);
+  ``Model.model_validate``;
 * keyword arguments given from Python, with :func:`check_arguments`: a value must already have the
-  option's type (an integer number of bytes, not ``"512MiB"`` nor ``1.5e6``), and an error is a
+  option's type (an integer, not ``"4"`` nor ``2.0``), and an error is a
   :class:`~tierstore.errors.ConfigError` ``"<argument>: must be <requirement>, not <value>"``;
 * another model taking the same option (the DeepSpeed section's ``workers``), with
   :func:`defined_in`;
 * the configuration reference (:mod:`tierstore.reference`), written from the same fields.
 
 Either way a bool is refused where a number belongs: Python and pydantic read ``True`` as 1, so
-``budget = true`` would be one byte and ``workers=True`` one thread.
+``budget = true`` would be one byte and ``workers=True`` one thread. And a size in bytes (a field of
+pydantic's ``ByteSize``) follows one rule from Python as in a document, :func:`byte_count`: an
+integer >= 0 or text such as ``"64MiB"``; anything else is refused with one message,
+``"<name>: must be a number of bytes >= 0 (an integer or text such as '64MiB'), not <value>"``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import BaseModel, ByteSize, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -40,11 +51,33 @@ _FROM_PYTHON = "values given from Python"
 
 Model = TypeVar("Model", bound=BaseModel)
 
+SIZE_FORMS = "an integer or text such as '64MiB'"
+"""The forms a size in bytes takes, in the words of every message that refuses one."""
+SIZE_REQUIREMENT = f"a number of bytes >= 0 ({SIZE_FORMS})"
+"""What a size in bytes must be, as every message that refuses one says it."""
+
+_SIZE_TEXT = TypeAdapter(ByteSize)
+
 
 def is_integer(value: object) -> TypeGuard[int]:
     """An integer that is not a bool (a numpy integer counts: sizes are often computed with
     numpy): the one meaning of "an integer" for every option."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def byte_count(value: object) -> int | None:
+    """``value`` as a number of bytes, by the one rule of every size in bytes, given from Python
+    or in a document: an integer >= 0 (a whole float such as JSON's ``4e9`` counts) or text
+    such as ``"64MiB"``, ``"2GB"`` or ``"4096"``; None for anything else (a negative size, a
+    fraction of a byte, a bool, other text or types)."""
+    if isinstance(value, str):
+        try:
+            return int(_SIZE_TEXT.validate_python(value))
+        except ValidationError:
+            return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return int(value) if is_integer(value) and value >= 0 else None
 
 
 class ConfigModel(BaseModel):
@@ -68,6 +101,19 @@ class ConfigModel(BaseModel):
                 "expected a number or a string, not the boolean {value}",
                 {"value": str(value).lower()},
             )
+        if value is not None and _is_byte_size(field.annotation):
+            count = byte_count(value)
+            if count is None:
+                raise PydanticCustomError(
+                    "byte_size",
+                    "must be {requirement} ({forms}), not {value}",
+                    {
+                        "requirement": requirement(field, with_none=False),
+                        "forms": SIZE_FORMS,
+                        "value": repr(value),
+                    },
+                )
+            return count
         if info.context == _FROM_PYTHON and not _holds(field.annotation, value):
             raise PydanticCustomError(
                 "python_type", "expected {requirement}", {"requirement": requirement(field)}
@@ -86,29 +132,28 @@ def check_arguments(
     model: type[Model],
     arguments: Mapping[str, Any],
     *,
-    typed: bool = True,
     where: str = "",
     names: Mapping[tuple[str, ...], str] | None = None,
 ) -> Model:
     """``arguments`` (keyword arguments given from Python, in ``model``'s layout) validated through
-    ``model``'s fields, the option definitions.
+    ``model``'s fields, the option definitions: each value must already have its field's type,
+    but a size in bytes takes text (``"512MiB"``) as in a document (:func:`byte_count`).
 
     Args:
         model: the model defining the options.
         arguments: the values, keyed as the model's fields (a nested model's as a mapping).
-        typed: values must already have their field's type (an ``int`` for a size); False lets
-            a size be text (``"512MiB"``) as in a document, for APIs that take both.
         where: prefix of the error message (``"param_groups.0."``).
         names: the argument's name for a field path where it is not the dotted path itself
             (``("cache", "budget")`` is the store's ``cache_budget``).
 
     Raises:
         ConfigError: ``"<where><argument>: must be <requirement>, not <value>"`` for the first
-            bad argument, or ``"<where><argument>: <reason>"`` where a field's own check (a rule
-            across fields) refused it.
+            bad argument (a bad size in bytes in the words a document's gets), or
+            ``"<where><argument>: <reason>"`` where a field's own check (a rule across fields)
+            refused it.
     """
     try:
-        return model.model_validate(arguments, context=_FROM_PYTHON if typed else None)
+        return model.model_validate(arguments, context=_FROM_PYTHON)
     except ValidationError as error:
         problem = error.errors()[0]
         location = tuple(str(part) for part in problem["loc"])
@@ -116,6 +161,8 @@ def check_arguments(
         value = _value_at(arguments, location)
         if problem["type"] == "value_error":
             reason = str(problem["ctx"]["error"])
+        elif problem["type"] == "byte_size":
+            reason = problem["msg"]
         else:
             reason = f"must be {requirement(_field_at(model, location))}, not {value!r}"
         raise ConfigError(f"{where}{name}: {reason}") from None
@@ -193,9 +240,17 @@ def _takes_bool(annotation: Any) -> bool:
     return annotation is bool or annotation is Any or any(_takes_bool(arg) for arg in get_args(annotation))
 
 
+def _is_byte_size(annotation: Any) -> bool:
+    """Whether a field holds a size in bytes (``ByteSize``, optional or annotated)."""
+    if isinstance(annotation, type):
+        return issubclass(annotation, ByteSize)
+    return any(_is_byte_size(arg) for arg in get_args(annotation) if arg is not NoneType)
+
+
 def _holds(annotation: Any, value: object) -> bool:
     """Whether a value given from Python already has a type the field holds: pydantic would
-    otherwise turn ``"512MiB"`` and ``1.5e6`` into numbers of bytes, and ``2.0`` into 2."""
+    otherwise turn ``"4"`` and ``2.0`` into the integer option 4 or 2 (sizes in bytes have their
+    own rule, :func:`byte_count`)."""
     origin = get_origin(annotation)
     if origin is Annotated:
         return _holds(get_args(annotation)[0], value)

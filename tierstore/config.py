@@ -32,27 +32,28 @@ from typing import Any, Literal
 from pydantic import (
     ByteSize,
     Field,
-    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from ._checks import ConfigModel, check_arguments, is_integer
+from ._checks import SIZE_REQUIREMENT, ConfigModel, byte_count, check_arguments
 from .errors import ConfigError, config_error_from_validation
 
-_BYTE_SIZE = TypeAdapter(ByteSize)
 
+def parse_byte_size(value: str | int) -> int:
+    """Bytes from an integer or text such as ``"64MiB"`` or ``"2GB"``, by the rule of every size
+    in bytes (:func:`~tierstore._checks.byte_count`).
 
-def parse_byte_size(text: str | int) -> int:
-    """Bytes from an integer or a string such as ``"64MiB"`` or ``"2GB"``."""
-    if not (isinstance(text, str) or is_integer(text)):
-        raise ConfigError(f"{text!r} is not a size such as 4096, 64MiB or 2GB")
-    try:
-        return int(_BYTE_SIZE.validate_python(text))
-    except ValidationError:
-        raise ConfigError(f"{text!r} is not a size such as 4096, 64MiB or 2GB") from None
+    Raises:
+        ConfigError: ``"must be a number of bytes >= 0 (an integer or text such as '64MiB'), not
+            <value>"``.
+    """
+    count = byte_count(value)
+    if count is None:
+        raise ConfigError(f"must be {SIZE_REQUIREMENT}, not {value!r}")
+    return count
 
 
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from ._checks import is_integer
+from ._checks import SIZE_REQUIREMENT, byte_count
 from .buffers import AlignedBuffer, BufferPool, Lease, round_up
 from .errors import CapacityError, ConfigError
 from .memory import MemoryLedger, Reservation
@@ -31,8 +31,8 @@ class StagingArea:
             at once.
         owner: who holds the memory, as the ledger reports it (``"cache"``,
             ``"optimizer <namespace>"``, ``"activations <namespace>"``).
-        budget: bytes reserved from the ledger: the most the area's buffers (and the owner's own,
-            see ``pool_bytes``) ever hold.
+        budget: bytes reserved from the ledger (an int, or text such as ``"64MiB"``): the most
+            the area's buffers (and the owner's own, see ``pool_bytes``) ever hold.
         pin: page-lock the buffers for asynchronous CUDA copies; default: where CUDA exists.
         resident: keep freed pages for reuse instead of returning them to the kernel (for
             workloads whose buffer sizes change all the time and that fill their budget every
@@ -44,7 +44,7 @@ class StagingArea:
 
     Raises:
         ConfigError: ``owner`` is not a non-empty string, or ``budget`` or ``pool_bytes`` is not
-            a number of bytes >= 0 (a bool is refused).
+            a number of bytes >= 0 nor text such as ``"64MiB"`` (a bool is refused).
         CapacityError: the budget does not fit beside the other workloads' reservations (the
             message names who holds what), or ``pool_bytes`` is above the budget.
     """
@@ -53,19 +53,19 @@ class StagingArea:
         self,
         ledger: MemoryLedger,
         owner: str,
-        budget: int,
+        budget: int | str,
         *,
         pin: bool | None = None,
         resident: bool = False,
-        pool_bytes: int | None = None,
+        pool_bytes: int | str | None = None,
     ) -> None:
-        pool_bytes = _checked_pool_bytes(owner, budget, pool_bytes)
+        budget_bytes, pool = _checked_sizes(owner, budget, pool_bytes)
         self.owner = owner
         self.ledger = ledger
-        reservation = ledger.reserve(owner, budget)
+        reservation = ledger.reserve(owner, budget_bytes)
         self._reservation: Reservation = reservation
         self._unreserve = weakref.finalize(self, ledger.release, reservation)
-        self.pool = BufferPool(pool_bytes, pin=pin, resident=resident)
+        self.pool = BufferPool(pool, pin=pin, resident=resident)
         """The buffers (acquire, lease and release them here)."""
 
     @property
@@ -146,27 +146,27 @@ class StagingArea:
         """
         self.pool.release(buffer)
 
-    def resize(self, budget: int, *, pool_bytes: int | None = None) -> None:
+    def resize(self, budget: int | str, *, pool_bytes: int | str | None = None) -> None:
         """Change the budget: the new budget takes the old one's place in the ledger in one step,
         so it needs room for the difference only, and a failure leaves the area as it was. The pool
         starts afresh: call it only with no buffer of it in use.
 
         Args:
-            budget: the new budget, in bytes.
+            budget: the new budget, in bytes (an int or text, as the constructor's).
             pool_bytes: the pool's share of it, as the constructor's ``pool_bytes``.
 
         Raises:
-            ConfigError: ``budget`` or ``pool_bytes`` is not a number of bytes >= 0.
+            ConfigError: ``budget`` or ``pool_bytes`` is not a size in bytes, as the constructor's.
             CapacityError: the difference does not fit the ledger, or ``pool_bytes`` is above the
                 budget.
         """
-        pool_bytes = _checked_pool_bytes(self.owner, budget, pool_bytes)
-        reservation = self.ledger.reserve(self.owner, budget, replacing=self._reservation)
+        budget_bytes, pool = _checked_sizes(self.owner, budget, pool_bytes)
+        reservation = self.ledger.reserve(self.owner, budget_bytes, replacing=self._reservation)
         self._unreserve.detach()
         self._reservation = reservation
         self._unreserve = weakref.finalize(self, self.ledger.release, reservation)
         self.pool.clear()
-        self.pool = BufferPool(pool_bytes, pin=self.pool.pin, resident=self.pool.resident)
+        self.pool = BufferPool(pool, pin=self.pool.pin, resident=self.pool.resident)
 
     def close(self) -> None:
         """Free the idle buffers and give the budget back to the ledger (buffers still in use stay
@@ -175,18 +175,21 @@ class StagingArea:
         self._unreserve()
 
 
-def _checked_pool_bytes(owner: object, budget: object, pool_bytes: object) -> int:
-    """The pool's capacity: ``pool_bytes``, or the budget; a :class:`ConfigError` names a bad
+def _checked_sizes(owner: object, budget: object, pool_bytes: object) -> tuple[int, int]:
+    """The budget and the pool's capacity (``pool_bytes``, or the budget) in bytes, by the rule of
+    every size (:func:`~tierstore._checks.byte_count`); a :class:`ConfigError` names a bad
     argument (a bool is no number of bytes), a :class:`CapacityError` a pool larger than the
     budget."""
     if not isinstance(owner, str) or not owner:
         raise ConfigError(f"staging: owner must be a non-empty string, not {owner!r}")
-    if not is_integer(budget) or budget < 0:
-        raise ConfigError(f"{owner}: budget must be a number of bytes >= 0, not {budget!r}")
+    budget_bytes = byte_count(budget)
+    if budget_bytes is None:
+        raise ConfigError(f"{owner}: budget must be {SIZE_REQUIREMENT}, not {budget!r}")
     if pool_bytes is None:
-        return int(budget)
-    if not is_integer(pool_bytes) or pool_bytes < 0:
-        raise ConfigError(f"{owner}: pool_bytes must be None or a number of bytes >= 0, not {pool_bytes!r}")
-    if pool_bytes > round_up(budget):
-        raise CapacityError(f"{owner}: a pool of {pool_bytes} bytes does not fit a budget of {budget} bytes")
-    return int(pool_bytes)
+        return budget_bytes, budget_bytes
+    pool = byte_count(pool_bytes)
+    if pool is None:
+        raise ConfigError(f"{owner}: pool_bytes must be {SIZE_REQUIREMENT}, not {pool_bytes!r}")
+    if pool > round_up(budget_bytes):
+        raise CapacityError(f"{owner}: a pool of {pool} bytes does not fit a budget of {budget_bytes} bytes")
+    return budget_bytes, pool

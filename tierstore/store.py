@@ -101,7 +101,8 @@ class TierStore(Closeable):
             :class:`Backend` made a tier of one path); each object goes to the first with room.
             The store owns them and closes them in :meth:`close`.
         cache_budget: bytes of the DRAM write-back cache; 0 for none (callers that stage their
-            own DRAM, the training workloads, lose nothing by it).
+            own DRAM, the training workloads, lose nothing by it). Every size in bytes here is
+            an int or text such as ``"256MiB"``, as in a configuration document.
         policy: ``"write-back"`` (a put is durable once written back) or ``"write-through"``
             (once its future resolves).
         cache_reads: whether a read that misses the cache fills it (False: reads go straight to
@@ -146,14 +147,14 @@ class TierStore(Closeable):
         self,
         tiers: Sequence[Tier | Backend],
         *,
-        cache_budget: int = 256 << 20,
+        cache_budget: int | str = 256 << 20,
         policy: Policy = "write-back",
         cache_reads: bool = True,
         workers: int = 4,
         manifest: str | os.PathLike[str] | None = None,
         verify: Verify = "always",
-        memory_budget: int | None = None,
-        pack_below: int = 64 << 10,
+        memory_budget: int | str | None = None,
+        pack_below: int | str = 64 << 10,
         cache_resident: bool = False,
         read_only: bool = False,
     ) -> None:
@@ -253,17 +254,18 @@ class TierStore(Closeable):
     def staging(
         self,
         owner: str,
-        budget: int,
+        budget: int | str,
         *,
         pin: bool | None = None,
         resident: bool = False,
-        pool_bytes: int | None = None,
+        pool_bytes: int | str | None = None,
     ) -> StagingArea:
         """DRAM for a workload to stage tensors through (see :class:`~tierstore.staging.StagingArea`).
 
         Args:
             owner: who holds the memory, as :meth:`stats` reports it.
-            budget: bytes reserved from :attr:`memory` until the area is closed.
+            budget: bytes reserved from :attr:`memory` until the area is closed (an int, or
+                text such as ``"64MiB"``).
             pin: page-lock the buffers for asynchronous CUDA copies; default where CUDA exists.
             resident: keep freed pages for reuse instead of returning them to the kernel.
             pool_bytes: the most the area's buffers hold, if less than ``budget`` (the owner

@@ -27,7 +27,7 @@ from typing import Any, get_args
 import xxhash
 
 from . import placement as planner
-from ._checks import choices, is_integer
+from ._checks import SIZE_REQUIREMENT, byte_count, choices
 from ._futures import when_all, with_failover
 from .backends import Backend, Location, open_backend
 from .bandwidth import Bandwidth, InFlight, ProbeCache, ThroughputMeter, probe
@@ -215,8 +215,8 @@ class Tier:
         paths: its paths (each a :class:`TierPath`, or a bare backend that becomes the path
             ``<name>.<index>`` with default limits), or one backend for a one-path tier. The
             tier owns them and closes them.
-        capacity: the most bytes of objects it holds (recycled space counts in it); None: as
-            many as the media take.
+        capacity: the most bytes of objects it holds (an int, or text such as ``"100GiB"``;
+            recycled space counts in it); None: as many as the media take.
         placement: ``"stripe"`` splits each object over all paths by bandwidth; ``"place"``
             puts each whole object on one path, in bandwidth proportion over many objects.
         stripe_by: which bandwidth sets the paths' shares: ``"round-trip"`` (objects written
@@ -231,7 +231,7 @@ class Tier:
         self,
         name: str,
         paths: Sequence[TierPath | Backend] | Backend,
-        capacity: int | None = None,
+        capacity: int | str | None = None,
         *,
         placement: PlacementPolicy = "stripe",
         stripe_by: StripeBy = "round-trip",
@@ -247,8 +247,11 @@ class Tier:
         ):
             if value not in get_args(allowed):
                 raise ConfigError(f"tier {name!r}: {option} must be {choices(allowed)}, not {value!r}")
-        if capacity is not None and (not is_integer(capacity) or capacity < 0):
-            raise ConfigError(f"tier {name!r}: capacity must be bytes >= 0 or None, not {capacity!r}")
+        if capacity is not None:
+            count = byte_count(capacity)
+            if count is None:
+                raise ConfigError(f"tier {name!r}: capacity must be {SIZE_REQUIREMENT}, not {capacity!r}")
+            capacity = count
         for index, path in enumerate(paths):
             if not isinstance(path, (TierPath, Backend)):
                 raise ConfigError(

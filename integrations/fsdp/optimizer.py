@@ -106,8 +106,9 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         sub_group_size: local (this rank's) parameter elements per sub-group.
         max_grad_norm: clip the global gradient norm (over all ranks) to this; None for no
             clipping.
-        dram_budget: bytes of this rank's fp32 DRAM for the state (read-ahead ring, gradient
-            buffer, kept sub-groups); None for the ring and the gradient buffer only.
+        dram_budget: bytes of this rank's fp32 DRAM for the state (an int, or text such as
+            ``"64MiB"``): read-ahead ring, gradient buffer, kept sub-groups; None for the ring and
+            the gradient buffer only.
         prefetch_depth: sub-groups read ahead of the one being updated.
         cache_policy: which sub-groups stay in DRAM between steps: ``"model"``, ``"static"`` or
             ``"none"`` (as :class:`~tierstore.optimizer.OffloadedAdamW`'s).
@@ -145,7 +146,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         maximize: bool = False,
         sub_group_size: int = 100_000_000,
         max_grad_norm: float | None = None,
-        dram_budget: int | None = None,
+        dram_budget: int | str | None = None,
         prefetch_depth: int = 2,
         cache_policy: CachePolicy = "model",
         namespace: str | None = None,
