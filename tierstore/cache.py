@@ -15,10 +15,18 @@ An entry's buffer goes back to the pool only when nothing uses it any more: no r
 pinned, no write-back is reading from it, and it is no longer the object's current copy. Making
 room waits for write-back of dirty entries instead of growing. The cache's own lock guards its
 entries alone.
+
+A dirty copy whose write-back failed (a full tier: its capacity or ENOSPC; an I/O error) stays in
+the cache, readable, and is only written again by :meth:`WriteBackCache.flush`. Until then the
+failure is reported, naming the keys, by every flush, by every new dirty copy
+(:meth:`WriteBackCache.check_written_back`) and by the store's close; a read that finds the room
+held by such copies gets no entry (:meth:`WriteBackCache.load` returns None) and reads around
+the cache.
 """
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -141,6 +149,8 @@ class WriteBackCache:
         self._write_pack = write_pack
         self._on_written = on_written
         self._writebacks: set[CacheEntry] = set()
+        self._failed: set[CacheEntry] = set()
+        """Current dirty copies whose last write-back failed."""
         self._completions = ThreadPoolExecutor(1, thread_name_prefix="tierstore-commit")
         self._counters = {"hits": 0, "misses": 0, "evictions": 0, "writebacks": 0}
         self._peak_bytes = 0
@@ -191,9 +201,24 @@ class WriteBackCache:
             self._index.insert(entry)
 
     # -- entries ----------------------------------------------------------------------------------
-    def new_entry(self, key: str, record: Record, *, dirty: bool, pins: int = 0) -> CacheEntry:
-        """An unattached entry with a buffer for ``record``'s bytes (making room as needed)."""
-        return CacheEntry(key, record, self._acquire(record.nbytes), dirty=dirty, pins=pins)
+    def new_entry(self, key: str, record: Record, *, dirty: bool, pins: int = 0) -> CacheEntry | None:
+        """An unattached entry with a buffer for ``record``'s bytes (making room as needed), or
+        None where copies whose write-back failed hold the room (:meth:`no_room` says so)."""
+        buffer = self._acquire(record.nbytes)
+        return None if buffer is None else CacheEntry(key, record, buffer, dirty=dirty, pins=pins)
+
+    def no_room(self, key: str, nbytes: int) -> CapacityError:
+        """The error of a copy of ``key`` (``nbytes``) that cannot be cached because copies whose
+        write-back failed hold the room; their failure is its ``__cause__``."""
+        with self.lock:
+            stuck = sum(failed.buffer.capacity for failed in self._failed)
+            failures, cause = self._failures(repr)
+        error = CapacityError(
+            f"no cache room for {key!r} ({nbytes} bytes): {stuck} bytes are held because {failures}; "
+            "free room on the tier and call flush(), or delete them"
+        )
+        error.__cause__ = cause
+        return error
 
     def abandon(self, entry: CacheEntry) -> None:
         """Give back the buffer of an entry that was never attached (its fill or commit failed)."""
@@ -203,9 +228,13 @@ class WriteBackCache:
 
     def load(
         self, key: str, record: Record, read: Callable[[memoryview], None], *, pinned: bool
-    ) -> CacheEntry:
-        """Fill a new clean entry for ``record`` with ``read`` and attach it as ``key``'s copy."""
+    ) -> CacheEntry | None:
+        """Fill a new clean entry for ``record`` with ``read`` and attach it as ``key``'s copy;
+        None, reading nothing, where copies whose write-back failed hold the room it needs (the
+        caller reads around the cache)."""
         entry = self.new_entry(key, record, dirty=False, pins=int(pinned))
+        if entry is None:
+            return None
         try:
             read(entry.memoryview())
         except BaseException:
@@ -221,15 +250,72 @@ class WriteBackCache:
             self.lock.notify_all()
 
     # -- write-back -------------------------------------------------------------------------------
+    def check_written_back(self, what: str) -> None:
+        """Refuse a new dirty copy while copies whose write-back failed are only in memory: the
+        store could not make it durable either.
+
+        Args:
+            what: the operation refused, for the message (``"put('k')"``).
+
+        Raises:
+            BackendIOError: see :meth:`write_back_error`.
+        """
+        if not self._failed:  # read without the lock: the common case costs one attribute read
+            return
+        error = self.write_back_error(
+            f"{what} refused",
+            "; free room on the tier and call flush(), or delete them (a put written to a tier "
+            "before it resolves, write_through=True or cache=False, is still taken)",
+        )
+        if error is not None:
+            raise error
+
+    def write_back_error(
+        self, before: str, after: str = "", describe: Callable[[str], str] = repr
+    ) -> BackendIOError | None:
+        """The error reporting the dirty copies whose write-back failed, or None if there are none.
+
+        Args:
+            before: the message's start (the operation).
+            after: the message's end (what it means for those objects, what to do).
+            describe: how the message shows each key.
+
+        Returns:
+            A :class:`BackendIOError` naming every such key, with the errno of the failure (ENOSPC
+            for a tier at its capacity) and the failure itself as ``__cause__``.
+        """
+        with self.lock:
+            if not self._failed:
+                return None
+            failures, cause = self._failures(describe)
+        error = BackendIOError(_errno_of(cause), f"{before}: {failures}{after}")
+        error.__cause__ = cause
+        return error
+
+    def _failures(self, describe: Callable[[str], str]) -> tuple[str, BaseException | None]:
+        """Under the lock: the failed write-backs in words (every key, as ``describe`` shows it,
+        and the first one's failure), and that failure."""
+        failed = sorted(self._failed, key=lambda entry: entry.key)
+        cause = failed[0].writeback_error if failed else None
+        keys = ", ".join(describe(entry.key) for entry in failed)
+        return (
+            f"write-back failed for {len(failed)} object(s), which are only in memory: {keys} ({cause})",
+            cause,
+        )
+
     def flush(self) -> None:
-        """Write every dirty entry back and wait; raises if any write-back failed.
+        """Write every dirty entry back and wait.
 
         Entries smaller than ``pack_below`` go in packs: one backend object of up to
-        :data:`PACK_BYTES` per batch."""
+        :data:`PACK_BYTES` per batch.
+
+        Raises:
+            BackendIOError: a write-back failed (see :meth:`write_back_error`); those entries stay
+                dirty in the cache.
+        """
         with self.lock:
             dirty = [entry for entry in self._index if entry.dirty and not entry.writing]
             for entry in dirty:
-                entry.writeback_error = None
                 self._begin_write_back(entry)
         pack_bytes = min(PACK_BYTES, self._memory.capacity // 4)
         batch: list[CacheEntry] = []
@@ -247,15 +333,13 @@ class WriteBackCache:
             self._write_back_pack(batch)
         with self.lock:
             self.lock.wait_for(lambda: not self._writebacks)
-            failed = [entry for entry in self._index if entry.writeback_error is not None]
-        if failed:
-            raise BackendIOError(
-                f"flush: write-back failed for {len(failed)} object(s), e.g. {failed[0].key!r}: "
-                f"{failed[0].writeback_error}"
-            ) from failed[0].writeback_error
+        error = self.write_back_error("flush", "; they stay in the cache, and the next flush tries again")
+        if error is not None:
+            raise error
 
-    def _acquire(self, nbytes: int) -> AlignedBuffer:
-        """A buffer for ``nbytes``, writing back and evicting LRU entries to make room."""
+    def _acquire(self, nbytes: int) -> AlignedBuffer | None:
+        """A buffer for ``nbytes``, writing back and evicting LRU entries to make room; None where
+        copies whose write-back failed hold so much of the budget that it cannot fit."""
         needed = round_up(max(nbytes, 1))
         while True:
             with self.lock:
@@ -272,21 +356,13 @@ class WriteBackCache:
                     continue
                 in_flight = sum(entry.nbytes for entry in self._writebacks)
                 if victim is None or in_flight >= needed:
-                    self._wait_for_room(needed)
+                    stuck = sum(entry.buffer.capacity for entry in self._failed)
+                    if self._memory.capacity - stuck < needed:
+                        return None
+                    self.lock.wait(timeout=1.0)  # for a pin, load or write-back to end
                     continue
                 self._begin_write_back(victim)
             self._write_back(victim)
-
-    def _wait_for_room(self, needed: int) -> None:
-        """Wait for a pin, load or write-back to end; fail if failed write-backs hold the room."""
-        stuck = sum(e.buffer.capacity for e in self._index if e.writeback_error is not None)
-        if self._memory.capacity - stuck < needed:
-            cause = next(e.writeback_error for e in self._index if e.writeback_error is not None)
-            raise CapacityError(
-                f"no cache room for {needed} bytes: {stuck} bytes are dirty objects whose "
-                f"write-back failed ({cause}); fix the tier and call flush()"
-            ) from cause
-        self.lock.wait(timeout=1.0)
 
     def _begin_write_back(self, entry: CacheEntry) -> None:
         """Mark ``entry`` as being written back (under the lock, before writing it)."""
@@ -350,10 +426,12 @@ class WriteBackCache:
             for entry, now_clean in zip(entries, clean, strict=True):
                 entry.writing = False
                 self._writebacks.discard(entry)
-                if error is not None:
-                    entry.writeback_error = error
-                else:
+                entry.writeback_error = error
+                if error is None:
                     self._counters["writebacks"] += 1
+                    self._failed.discard(entry)
+                elif entry.attached:
+                    self._failed.add(entry)
                 if now_clean:
                     entry.dirty = False
                 self._release_if_unused(entry)
@@ -371,6 +449,7 @@ class WriteBackCache:
 
     def _detach(self, entry: CacheEntry) -> None:
         self._index.detach(entry)
+        self._failed.discard(entry)
         self._release_if_unused(entry)
         self.lock.notify_all()
 
@@ -396,5 +475,14 @@ class WriteBackCache:
             for entry in self._index:
                 self._index.detach(entry)
                 self._memory.release(entry.buffer)
+            self._failed.clear()
         self._completions.shutdown(wait=True)
         self._memory.close()
+
+
+def _errno_of(cause: BaseException | None) -> int:
+    """The errno a failed write-back reports: its cause's, ENOSPC for a tier at its capacity
+    (:class:`CapacityError`, which has none), else EIO."""
+    if isinstance(cause, OSError) and cause.errno:
+        return cause.errno
+    return errno.ENOSPC if isinstance(cause, CapacityError) else errno.EIO

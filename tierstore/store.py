@@ -24,6 +24,14 @@ interrupted writes is deleted at the next open. Objects still only in the write-
 durable until written back (``flush()``, eviction, ``close()``); ``policy="write-through"`` makes
 every put durable when its future resolves.
 
+A write-back that fails (a full tier: its capacity or ENOSPC; an I/O error) is never silent: the
+object stays in the cache, readable, until a ``flush()`` writes it; meanwhile every ``flush()``,
+every put that would leave another object only in the cache, and ``close()`` raise a
+:class:`BackendIOError` with the failure's errno naming each such key. Reads never need cache room:
+a miss the cache has no room for is read straight into the destination. ``close()`` releases
+everything (the manifest's lock included) even where it cannot write back, and its error names
+the objects lost.
+
 With ``read_only=True`` a store reads a persistent store's manifest without locking it, even while
 a writer (in this or another process) has it open: it sees the committed objects as of the open
 (later writes are not seen), refuses every change with :class:`ReadOnlyStoreError`, and neither
@@ -32,6 +40,7 @@ collects garbage, compacts nor deletes anything, at the open or at ``close``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -53,6 +62,7 @@ from .catalog import Catalog, Record
 from .chain import TierChain
 from .config import ConfigSource, Policy, StoreOptions, Verify, default_config, load_config
 from .errors import (
+    BackendIOError,
     BufferMismatchError,
     CapacityError,
     ConfigError,
@@ -309,8 +319,10 @@ class TierStore(Closeable):
                 and the writes out of it overlapping, several puts at once.
 
         Returns:
-            A future that resolves once the object is committed (durable on a tier for a
-            write-through or bypassing put, in the cache otherwise).
+            A future that resolves once the object is committed: durable on a tier for a
+            write-through or bypassing put; otherwise in the store's custody, in the cache, and
+            durable once written back (a write-back that fails keeps it in the cache and is
+            reported by :meth:`flush` and :meth:`close`, naming the key).
 
         Raises:
             InvalidKeyError: a bad key.
@@ -319,7 +331,15 @@ class TierStore(Closeable):
             StoreClosedError: the store is closed.
             ReadOnlyStoreError: the store is read-only.
             ConfigError: ``write_through`` is not a bool or None.
-            BackendIOError: (through the future) no tier can take it; CapacityError likewise.
+            BackendIOError: (through the future) no tier can take a write-through or bypassing
+                put; or, for a write-back put, the write-back of objects put before failed and
+                they are still only in the cache (the store could not make this one durable
+                either): the error names them and carries the failure's errno (ENOSPC for a full
+                tier); the put changes nothing.
+            CapacityError: (through the future) no tier has room for a write-through or
+                bypassing put (every tier at its configured capacity); or the cache room a
+                write-back put needs is held by objects whose write-back failed (the message names
+                them; a write-through put the cache has no room for goes straight to a tier).
         """
         self._check_open()
         self._check_writable(f"put({key!r})")
@@ -342,7 +362,8 @@ class TierStore(Closeable):
             out: where to read to: the object's shape and dtype, any device and strides; None for
                 a new CPU tensor.
             cache: False to read a miss straight into the destination without caching it (a copy
-                already in the cache is still used).
+                already in the cache is still used). A miss the cache has no room for (objects
+                whose write-back failed hold it) is read that way too.
 
         Returns:
             A future of ``out``, or of the new tensor.
@@ -377,7 +398,8 @@ class TierStore(Closeable):
 
         Raises:
             InvalidKeyError, KeyNotFoundError: a bad or unknown key, before anything is loaded.
-            Through the future: CapacityError for an object larger than the whole cache budget.
+            Through the future: CapacityError for an object larger than the whole cache budget,
+            or one the cache has no room for while objects whose write-back failed hold it.
         """
         self._check_open()
         if isinstance(keys, str) or not isinstance(keys, Iterable):  # a str is one key per character
@@ -411,7 +433,10 @@ class TierStore(Closeable):
         read-only store has nothing to write: it returns at once.
 
         Raises:
-            BackendIOError: a write-back failed (the objects stay dirty in the cache).
+            BackendIOError: a write-back failed (a full tier, an I/O error): the message names
+                every object still only in the cache, where they stay until a flush writes them;
+                it carries the failure's errno (ENOSPC for a tier at its configured capacity),
+                and the failure is its ``__cause__``.
         """
         self._check_open()
         if self.read_only:
@@ -541,18 +566,50 @@ class TierStore(Closeable):
     def close(self) -> None:
         """Finish issued operations and release all memory. A scratch store deletes its tier
         objects; a persistent one writes back dirty objects and compacts its manifest instead; a
-        read-only one only closes its tiers (it deletes and writes nothing)."""
+        read-only one only closes its tiers (it deletes and writes nothing).
+
+        Everything is released even where the write-back fails: the threads, the memory budget,
+        the tiers' files and the manifest's lock (the store can be opened again at once).
+
+        Raises:
+            BackendIOError: a persistent store could not write back every dirty object (a full
+                tier); the message names each object that was only in memory and is lost, and
+                what the next open finds under its key (nothing, or the version before). It
+                carries the errno of the failure (ENOSPC for a tier at its capacity), which is its
+                ``__cause__``.
+        """
         if self._closed:
             return
-        if self._catalog.manifest is not None:
-            self._serial.drain()
-            self.flush()
-        self._closed = True
-        self._serial.shutdown()
-        if self._cache is not None:
-            self._cache.close()
-        self._catalog.close()
-        self._chain.close()
+        lost: BackendIOError | None = None
+        with contextlib.ExitStack() as release:  # each step runs even where one before it failed
+            release.callback(self._chain.close)
+            release.callback(self._catalog.close)
+            if self._cache is not None:
+                release.callback(self._cache.close)
+            release.callback(self._serial.shutdown)
+            release.callback(setattr, self, "_closed", True)
+            if self._catalog.manifest is not None:
+                self._serial.drain()
+                try:
+                    self.flush()
+                except BackendIOError:
+                    lost = self._lost_at_close()
+        if lost is not None:
+            raise lost
+
+    def _lost_at_close(self) -> BackendIOError:
+        """The error of a close whose flush failed: every object only in memory, and what the next
+        open finds under its key."""
+
+        def fate(key: str) -> str:
+            record = self._catalog.get(key)
+            kept = record is not None and record.journaled is not None
+            return f"{key!r} ({'its previous version' if kept else 'no such key'} at the next open)"
+
+        assert self._cache is not None
+        error = self._cache.write_back_error("close: objects lost", describe=fate)
+        assert error is not None
+        return error
 
     def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
         self.put(key, tensor).result()
@@ -579,14 +636,21 @@ class TierStore(Closeable):
             tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), scratch=scratch
         )
         cache = self._cache if cached else None
-        if cache is None or not cache.fits(record.nbytes):  # straight to a tier
+        entry = None
+        if cache is not None and cache.fits(record.nbytes):
+            if not write_through:  # a copy the store may be unable to write back, like those before it
+                cache.check_written_back(f"put({key!r})")
+            entry = cache.new_entry(key, record, dirty=True)
+            if entry is None and not write_through:
+                raise cache.no_room(key, record.nbytes)
+        if entry is None:  # straight to a tier (also a write-through put the cache has no room for)
             source = _materialized(tensor)
             record.persisted = self._chain.write(_bytes_of(source), Priority.CRITICAL).result()
             self._catalog.commit(key, record)
             if self._cache is not None:  # a copy of the version just replaced
                 self._cache.drop(key)
             return
-        entry = cache.new_entry(key, record, dirty=True)
+        assert cache is not None
         try:
             entry.typed().copy_(tensor)
             if write_through:
@@ -615,7 +679,7 @@ class TierStore(Closeable):
                 and cache.fits(record.nbytes)
             ):
                 entry = cache.load(key, record, lambda into: self._read(key, record, into), pinned=True)
-            if entry is None:  # not cached and not to be cached: read straight into the destination
+            if entry is None:  # not cached, not to be cached, or no cache room: straight to the destination
                 return self._read_direct(key, record, out)
             destination = torch.empty(record.shape, dtype=record.dtype) if out is None else out
             destination.copy_(entry.typed())
@@ -635,7 +699,8 @@ class TierStore(Closeable):
             raise CapacityError(
                 f"prefetch({key!r}): {record.nbytes} bytes exceed the cache budget of {budget} bytes"
             )
-        cache.load(key, record, lambda into: self._read(key, record, into), pinned=False)
+        if cache.load(key, record, lambda into: self._read(key, record, into), pinned=False) is None:
+            raise cache.no_room(key, record.nbytes)
 
     def _delete(self, key: str) -> None:
         self._catalog.remove(key)
