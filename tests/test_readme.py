@@ -79,6 +79,14 @@ def test_every_workload_has_an_example() -> None:
     assert "TieredStorageWriter" in code and "TieredStorageReader" in code
 
 
+def test_the_first_store_keeps_its_objects_across_a_reopen() -> None:
+    """A newcomer's first store is persistent (a manifest) and is opened twice, reading back what
+    the first open put: a scratch store would lose its objects at close (the run above fails)."""
+    (first, *_) = blocks("python")
+    assert '"manifest":' in first
+    assert first.count("TierStore.from_config(config)") == 2
+
+
 def test_the_readme_is_short_and_keeps_the_set_up_commands() -> None:
     text = README.read_text()
     assert len(text.splitlines()) < 200

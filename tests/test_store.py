@@ -663,3 +663,25 @@ def _rss() -> int:
     """The process's resident set, in bytes."""
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_scratch_store_says_why_a_key_put_by_an_earlier_store_is_gone(tmp_path: Path) -> None:
+    """The README's newcomer: a config without a manifest, closed and opened again. The key went
+    with the first store, and the error says why and how to keep objects across opens; a
+    persistent store's error for a key it never had stays plain."""
+    config: dict[str, object] = {"tiers": [{"name": "nvme", "backend": f"nvme://{tmp_path / 'data'}"}]}
+    with TierStore.from_config(config) as store:
+        store["x"] = torch.ones(3)
+    scratch = r"^no object with key 'x' in this scratch store: .* give it a manifest directory"
+    with TierStore.from_config(config) as store:
+        with pytest.raises(KeyNotFoundError, match=scratch):
+            store["x"]
+        with pytest.raises(KeyNotFoundError, match=scratch):
+            store.info("x")
+    persistent = {**config, "manifest": str(tmp_path / "manifest")}
+    with TierStore.from_config(persistent) as store:
+        store["x"] = torch.ones(3)
+    with TierStore.from_config(persistent) as store:
+        assert torch.equal(store["x"], torch.ones(3))
+        with pytest.raises(KeyNotFoundError, match=r"^no object with key 'y'$"):
+            store["y"]

@@ -76,8 +76,21 @@ class Catalog:
     def record(self, key: str) -> Record:
         record = self._records.get(key)
         if record is None:
-            raise KeyNotFoundError(f"no object with key {key!r}")
+            raise self.missing(key)
         return record
+
+    def missing(self, key: str) -> KeyNotFoundError:
+        """The error for a key the store does not hold. A scratch store's says why: a key put by
+        an earlier store on the same directories is gone with it (a newcomer reopening a config
+        without a manifest expects to find it)."""
+        if self.manifest is not None:
+            return KeyNotFoundError(f"no object with key {key!r}")
+        return KeyNotFoundError(
+            f"no object with key {key!r} in this scratch store: a store without a manifest holds "
+            "only what was put since it opened, and deletes it when it closes; give it a manifest "
+            "directory (the config's 'manifest', TierStore(manifest=...)) to keep its objects "
+            "across opens"
+        )
 
     def __contains__(self, key: str) -> bool:
         return key in self._records

@@ -67,7 +67,6 @@ from .errors import (
     CapacityError,
     ConfigError,
     InvalidKeyError,
-    KeyNotFoundError,
     ManifestError,
     ReadOnlyStoreError,
     StoreClosedError,
@@ -744,7 +743,7 @@ class TierStore(Closeable):
     def _check_known(self, key: str) -> None:
         check_key(key)
         if key not in self._catalog and not self._serial.pending(key):
-            raise KeyNotFoundError(f"no object with key {key!r}")
+            raise self._catalog.missing(key)
 
 
 _NO_CACHE_STATS = {
