@@ -55,7 +55,7 @@ class GpuBenchmark:
     timeout_s: float = 180.0
 
 
-GPU_BENCHMARKS: tuple[GpuBenchmark, ...] = ()
+GPU_BENCHMARKS: tuple[GpuBenchmark, ...] = (GpuBenchmark("gpu_store", "benchmarks/bench_gpu_store.py"),)
 """Every GPU benchmark of the check, in the order it runs them: one entry per benchmark, kept here
 only (``tools/gpu_check.py`` refuses to build a bundle that lacks one of their scripts)."""
 
