@@ -1,10 +1,15 @@
 # Two commands do all set-up on a fresh machine: `make demo` (main job) and `make test`.
-# Each creates .venv, installs the CPU build of torch first (a bare torch requirement would pull a
-# multi-GB CUDA build), then tierstore in editable mode.
+# Each creates .venv, installs torch first, then tierstore in editable mode. tools/install-torch
+# picks the torch: one already installed is kept; else the CUDA build where nvidia-smi runs, the CPU
+# build elsewhere (a bare torch requirement would pull a multi-GB CUDA build on any machine).
+# TORCH_VARIANT=cpu|cuda overrides the choice, TORCH_INDEX adds an index to take torch from,
+# TORCH_VERSION names the release.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-TORCH_SPEC ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+TORCH_VARIANT ?=
+TORCH_INDEX ?=
 
 .PHONY: demo test lint docs bench showcase clean
 
@@ -12,7 +17,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
+	TORCH_VERSION='$(TORCH_VERSION)' TORCH_VARIANT='$(TORCH_VARIANT)' TORCH_INDEX='$(TORCH_INDEX)' \
+		tools/install-torch $(BIN)/python
 	touch $@
 
 $(VENV)/.runtime: pyproject.toml setup.py $(VENV)/.torch
