@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import tierstore
 from tierstore import TierStore
 from tierstore.cli import main
 from tierstore.demo import training_failure
@@ -33,7 +34,7 @@ def test_train_offloads_optimizer_state_and_activations(
 ) -> None:
     arguments = ["train", "--dir", str(tmp_path / "data"), "--layers", "2", "--width", "128", "--steps", "4"]
     budgets = ["--sub-group-size", "20000", "--dram-budget", "1MiB", "--activation-budget", "4MiB"]
-    assert main([*arguments, *budgets]) == 0
+    assert main([*arguments, *budgets, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["state_over_budget"] > 1.5 and report["subgroups"] > 1
     assert report["loss_decreased"] and len(report["steps"]) == 4
@@ -55,7 +56,7 @@ def test_train_offloads_optimizer_state_and_activations(
 def test_train_with_apollo_mini(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     arguments = ["train", "--dir", str(tmp_path / "data"), "--layers", "2", "--width", "128", "--steps", "4"]
     budgets = ["--sub-group-size", "20000", "--dram-budget", "2MiB", "--activation-budget", "4MiB"]
-    assert main([*arguments, *budgets, "--optimizer", "apollo-mini"]) == 0
+    assert main([*arguments, *budgets, "--optimizer", "apollo-mini", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["optimizer"] == "apollo-mini" and report["loss_decreased"]
     assert "optimizer apollo" in report["memory"]["reserved_bytes"]
@@ -142,7 +143,7 @@ def test_bad_options_are_usage_errors_naming_the_option(
     assert list(tmp_path.iterdir()) == []  # nothing started, nothing created
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["spill"], ["probe"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["spill"], ["probe"], ["bench"], ["inspect"]])
 def test_every_option_has_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main([*command, "--help"])
@@ -280,7 +281,7 @@ def test_the_main_job_needs_only_the_runtime_dependencies(tmp_path: Path) -> Non
     unimportable."""
     blocked = extras_only_modules()
     assert {"pytest", "matplotlib", "zarr", "deepspeed"} <= blocked
-    arguments = ["train", "--dir", str(tmp_path / "data"), "--steps", "2", *TINY_TRAIN]
+    arguments = ["train", "--dir", str(tmp_path / "data"), "--steps", "2", *TINY_TRAIN, "--json"]
     run = subprocess.run(
         [sys.executable, "-c", BLOCKING_TRAIN, json.dumps(sorted(blocked)), *arguments],
         capture_output=True,
@@ -293,9 +294,110 @@ def test_the_main_job_needs_only_the_runtime_dependencies(tmp_path: Path) -> Non
 
 
 def test_one_training_step_is_not_a_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--dir", str(tmp_path / "data"), "--steps", "1", *TINY_TRAIN]) == 0
+    assert main(["train", "--dir", str(tmp_path / "data"), "--steps", "1", *TINY_TRAIN, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["steps"]) == 1 and report["loss_decreased"] is None
+
+
+def test_train_prints_a_short_summary_and_writes_its_report_with_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``make demo`` ends with a few lines a person reads, not the report (a JSON document of over
+    a hundred lines); ``--json PATH`` writes the report, ``--json`` alone prints it instead."""
+    arguments = ["train", "--dir", str(tmp_path / "data"), "--steps", "2", *TINY_TRAIN]
+    assert main(arguments) == 0
+    summary = capsys.readouterr().out.splitlines()
+    assert 3 <= len(summary) <= 6 and all(len(line) <= 120 for line in summary)
+    assert summary[0].startswith("trained a GPT of ") and " for 2 steps with adamw: loss " in summary[0]
+    assert summary[-1] == "the full report: tierstore train --json PATH"
+    report_path = tmp_path / "report.json"
+    assert main([*arguments, "--json", str(report_path)]) == 0
+    summary = capsys.readouterr().out.splitlines()
+    assert summary[-1] == f"the full report: {report_path}"
+    report = json.loads(report_path.read_text())
+    assert len(report["steps"]) == 2 and report["activation_plan"]
+
+
+def test_an_unwritable_json_path_is_a_usage_error_before_the_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in (["train", "--dir", str(tmp_path / "data")], ["inspect", str(tmp_path / "c.toml")]):
+        with pytest.raises(SystemExit) as exited:
+            main([*command, "--json", str(tmp_path / "missing" / "report.json")])
+        assert exited.value.code == 2
+        assert f"argument --json: directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith(f"tierstore {tierstore.__version__} (torch {torch.__version__}")
+
+
+def persistent_store(tmp_path: Path) -> Path:
+    """A config file naming a persistent store of two tiers (one of capacity 1 GiB) holding two
+    objects on the first."""
+    config = tmp_path / "store.toml"
+    config.write_text(
+        f'manifest = "{tmp_path / "manifest"}"\n'
+        f'[[tiers]]\nname = "fast"\nbackend = "nvme://{tmp_path / "fast"}"\ncapacity = "1GiB"\n'
+        f'[[tiers]]\nname = "slow"\nbackend = "nvme://{tmp_path / "slow"}"\n'
+    )
+    with TierStore.from_config(config) as store:
+        store["layer0/w"] = torch.zeros(512, 1024, dtype=torch.bfloat16)
+        store["step"] = torch.tensor([7])
+    return config
+
+
+def test_inspect_lists_a_persistent_stores_keys_and_tiers_read_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While a writer has the store open: the keys with their sizes, the tiers with their paths,
+    the bytes they hold and the space free; nothing in the store's directories changes."""
+    config = persistent_store(tmp_path)
+
+    def files() -> dict[Path, int]:
+        return {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*") if path.is_file()}
+
+    with TierStore.from_config(config):  # the writer, holding the manifest's lock
+        before = files()
+        assert main(["inspect", str(config)]) == 0
+        listing = capsys.readouterr().out
+        assert main(["inspect", str(config), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert files() == before
+    assert f"store {tmp_path / 'manifest'} (opened read-only): 2 objects, 1.0 MiB" in listing
+    assert "tier fast: 2 objects," in listing and "of its capacity of 1.0 GiB" in listing
+    assert f"path fast.0: {tmp_path / 'fast'}, " in listing and " free of " in listing
+    assert "tier slow: 0 objects, 0 B used, no capacity limit" in listing
+    assert re.search(r"^layer0/w\s+1\.0 MiB\s+bfloat16\s+fast\s+\[512, 1024\]$", listing, re.MULTILINE)
+    assert re.search(r"^step\s+8 B\s+int64\s+fast\s+\[1\]$", listing, re.MULTILINE)
+    assert report["objects"] == 2 and report["bytes"] == (1 << 20) + 8
+    assert report["keys"]["layer0/w"] == {
+        "nbytes": 1 << 20,
+        "dtype": "bfloat16",
+        "shape": [512, 1024],
+        "tier": "fast",
+    }
+    fast = report["tiers"]["fast"]
+    assert fast["capacity_bytes"] == 1 << 30 and fast["objects"] == 2 and fast["bytes"] == (1 << 20) + 8
+    assert 0 < fast["paths"]["fast.0"]["free_bytes"] <= fast["paths"]["fast.0"]["total_bytes"]
+
+
+def test_inspect_refuses_a_scratch_config_and_a_missing_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scratch = tmp_path / "scratch.toml"
+    scratch.write_text(f'[[tiers]]\nname = "a"\nbackend = "nvme://{tmp_path / "data"}"\n')
+    assert main(["inspect", str(scratch)]) == 2
+    assert "the config has no manifest, so its store is scratch space" in capsys.readouterr().err
+    missing = tmp_path / "missing.toml"
+    missing.write_text(f'manifest = "{tmp_path / "nowhere"}"\n' + scratch.read_text())
+    assert main(["inspect", str(missing)]) == 2
+    assert "ManifestError: manifest " in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["missing.toml", "scratch.toml"]
 
 
 def test_a_failed_training_check_says_why() -> None:

@@ -6,7 +6,8 @@ The subcommands of the ``tierstore`` command line (the paragraph above is its ``
 * ``tierstore train``: the main job. Train a small GPT-style model whose fp32 optimizer state and
   saved activations are each several times their DRAM budget, with the offloaded AdamW and the
   activation offload on one store over the embedded default config (an NVMe tier in
-  ./tierstore-data); print loss, step time, resident activation bytes and GB/s per tier.
+  ./tierstore-data); print loss, step time, resident activation bytes and GB/s per tier, then a
+  short summary (the full report as JSON with ``--json``).
 * ``tierstore spill``: spill tensors several times larger than the DRAM budget through the store,
   read every one back, verify it bit for bit, print the throughput of each phase and how many
   bytes actually reached the tiers (none when everything fits in the budget).
@@ -14,6 +15,9 @@ The subcommands of the ``tierstore`` command line (the paragraph above is its ``
   bandwidth of every path, saying which.
 * ``tierstore bench CONFIG``: throughput of each path alone and of each tier with all its paths,
   with a progress bar, JSON output and a PNG of GB/s per path over time.
+* ``tierstore inspect CONFIG``: open the persistent store a config names, read-only (a process may
+  have it open for writing meanwhile), and list its keys with their sizes, its tiers with their
+  paths, the bytes they hold and the space free on each.
 
 ``train`` and ``spill`` remove the NVMe directory afterwards if they created it (the scratch store
 has deleted its objects by then). Bad options are usage errors (exit status 2) naming the option.
@@ -25,6 +29,8 @@ import argparse
 import importlib.util
 import json
 import os
+import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,13 +42,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from . import __version__
 from .arguments import byte_size, positive_byte_size, positive_int
 from .backends import open_backend
 from .bandwidth import ProbeCache, probe
 from .bench import Timeline, measure_path, measure_tier, plot_timeline
 from .config import StoreConfig, default_config, load_config
 from .demo import run_training, training_failure
-from .errors import TierStoreError
+from .errors import ConfigError, ManifestError, TierStoreError
 from .store import TierStore
 from .tier import Tier
 
@@ -52,6 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     its exit status: 0, 1 when a run fails its own check, 2 for a usage or store error, 130 when
     interrupted."""
     parser = argparse.ArgumentParser(prog="tierstore", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"tierstore {__version__} (torch {torch.__version__}, Python {platform.python_version()})",
+        help="print tierstore's version (and torch's and Python's) and exit",
+    )
     commands = parser.add_subparsers(
         dest="command",
         required=True,
@@ -64,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "spill": _add_spill(commands, default_dir),
         "probe": _add_probe(commands),
         "bench": _add_bench(commands),
+        "inspect": _add_inspect(commands),
     }
     args = parser.parse_args(argv)
     problem = _usage_problem(args)
@@ -85,6 +99,10 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     together, an output that could not be written), or None."""
     if args.command == "spill" and args.total % args.object:
         return f"argument --total: {args.total} bytes is not a multiple of --object ({args.object} bytes)"
+    if getattr(args, "json", None) not in (None, STDOUT):  # train's, inspect's: a file to write
+        problem = _unwritable(Path(args.json))
+        if problem is not None:
+            return f"argument --json: {problem}"
     if args.command == "bench":  # a report must never be lost to an output it cannot write
         for option, path in (("--output", args.output), ("--plot", args.plot)):
             problem = None if path is None else _unwritable(path)
@@ -105,6 +123,50 @@ def _unwritable(path: Path) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"directory {parent} is not writable"
     return None
+
+
+STDOUT = "-"
+"""``--json``'s value when given without a path: the JSON document goes to stdout."""
+
+
+def _add_json(parser: argparse.ArgumentParser, what: str) -> None:
+    """Give a command that prints a summary for people the ``--json [PATH]`` option."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const=STDOUT,
+        metavar="PATH",
+        help=f"{what} as one JSON document: in PATH, or alone on stdout instead of the summary",
+    )
+
+
+def _report(command: str, report: dict[str, Any], summary: str, json_path: str | None) -> int:
+    """Print ``summary``, or with ``--json`` alone the JSON ``report`` instead; with ``--json PATH``
+    write the report there too. Status 1 when that file could not be written (the summary is
+    printed first, and says where the report is)."""
+    text = json.dumps(report, indent=2, default=str)
+    if json_path == STDOUT:
+        print(text)
+        return 0
+    print(summary)
+    if json_path is not None:
+        try:
+            Path(json_path).write_text(text + "\n")
+        except OSError as error:
+            print(
+                f"tierstore {command}: the report was not written to {json_path}: {error.strerror or error}",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for people: ``"36.0 MiB"``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
 
 
 @contextmanager
@@ -164,14 +226,15 @@ def _add_train(
         default=byte_size("24MiB"),
         help="activation bytes held in memory at once: being written, kept, read back (24MiB)",
     )
+    _add_json(train, "the full report (settings, every step's figures, memory, the activation plan)")
     train.set_defaults(run=_train)
     return train
 
 
 def _train(args: argparse.Namespace) -> int:
-    """``train`` with the parsed options: the report (one JSON document) on stdout; a run that
-    fails its check (:func:`~tierstore.demo.training_failure`) says why on stderr and ends with
-    status 1."""
+    """``train`` with the parsed options: one line per step on stderr, the summary on stdout (or,
+    with ``--json``, the report); a run that fails its check
+    (:func:`~tierstore.demo.training_failure`) says why on stderr and ends with status 1."""
     defaults = default_config()
     directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
     defaults["tiers"][0]["backend"]["path"] = str(directory)
@@ -188,12 +251,37 @@ def _train(args: argparse.Namespace) -> int:
             activation_budget=args.activation_budget,
             optimizer_name=args.optimizer,
         )
-    print(json.dumps(report, indent=2))
+    status = _report("train", report, _train_summary(report, args.json), args.json)
     failure = training_failure(report)
     if failure is not None:
         print(f"tierstore train: {failure}", file=sys.stderr)
         return 1
-    return 0
+    return status
+
+
+def _train_summary(report: dict[str, Any], json_path: str | None) -> str:
+    """What a training run showed, in a few lines: the loss, the optimizer state and the
+    activations against their DRAM budgets, the step time and each tier's traffic."""
+    steps = report["steps"]
+    activations = report["activation_stats"]
+    step_seconds = [step["step_s"] for step in steps]
+    tiers = {name: [step["gb_per_s"][name] for step in steps] for name in steps[0]["gb_per_s"]}
+    lines = [
+        f"trained a GPT of {report['parameters'] / 1e6:.2f}M parameters for {len(steps)} steps with "
+        f"{report['optimizer']}: loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}",
+        f"optimizer state: {_size(report['fp32_state_bytes'])} of fp32 in {report['subgroups']} "
+        f"sub-groups, {report['state_over_budget']}x its {_size(report['dram_budget_bytes'])} DRAM budget",
+        f"activations: {_size(activations['spilled_bytes'])} spilled through the store, at most "
+        f"{_size(activations['peak_resident_bytes'])} resident of a "
+        f"{_size(report['activation_budget_bytes'])} budget",
+        f"steps: {sum(step_seconds) / len(steps):.2f} s on average, {step_seconds[-1]:.2f} s the last; "
+        + ", ".join(f"{name} {sum(rates) / len(rates):.3f} GB/s" for name, rates in tiers.items()),
+    ]
+    if json_path is None:
+        lines.append("the full report: tierstore train --json PATH")
+    elif json_path != STDOUT:
+        lines.append(f"the full report: {json_path}")
+    return "\n".join(lines)
 
 
 # -- spill ---------------------------------------------------------------------------------------
@@ -476,6 +564,126 @@ def run_bench(config: StoreConfig, size: int, count: int) -> dict[str, Any]:
             tier.close()
     report["timeline_gb_per_s"] = series
     return report
+
+
+# -- inspect -------------------------------------------------------------------------------------
+def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``inspect`` and its options to ``commands``; its parser (whose usage its errors print)."""
+    inspect_command = commands.add_parser(
+        "inspect",
+        help="list a persistent store's keys, sizes and tiers, read-only",
+        description="Open the persistent store CONFIG names read-only (nothing is written, and a "
+        "process may have it open meanwhile) and list its keys with their sizes, dtypes, shapes and "
+        "tiers, its tiers with their paths, the bytes they hold and the space free on each.",
+    )
+    inspect_command.add_argument("config", type=Path, help="store config (.toml/.json) with a manifest")
+    _add_json(inspect_command, "the listing")
+    inspect_command.set_defaults(run=_inspect)
+    return inspect_command
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """``inspect``: the listing on stdout (or, with ``--json``, as one JSON document)."""
+    report = run_inspect(load_config(args.config), args.config)
+    return _report("inspect", report, _inspect_summary(report), args.json)
+
+
+def run_inspect(config: StoreConfig, source: Path) -> dict[str, Any]:
+    """The persistent store ``config`` names, opened read-only: its keys (size, dtype, shape,
+    tier), its tiers (capacity, bytes held, each path with its location and free space).
+
+    Raises:
+        ConfigError: the config has no manifest (a scratch store keeps nothing to inspect).
+        ManifestError: no persistent store at the manifest directory.
+    """
+    if config.manifest is None:
+        raise ConfigError(
+            f"{source}: the config has no manifest, so its store is scratch space, which keeps nothing "
+            "once closed; inspect opens a persistent store (one with a manifest directory)"
+        )
+    if not config.manifest.is_dir():  # before the tiers are opened, which would create their paths
+        raise ManifestError(f"manifest {config.manifest}: no persistent store there (no such directory)")
+    # Inspecting reads the manifest only: no cache, and no bandwidth probe writing to the tiers.
+    opened = config.model_copy(
+        update={
+            "cache": config.cache.model_copy(update={"budget": 0}),
+            "memory_budget": None,
+            "tiers": [tier.model_copy(update={"probe": False}) for tier in config.tiers],
+        }
+    )
+    with TierStore.from_config(opened, read_only=True) as store:
+        keys = {}
+        for key in sorted(store.keys()):
+            info = store.info(key)
+            keys[key] = {
+                "nbytes": info.nbytes,
+                "dtype": str(info.dtype).removeprefix("torch."),
+                "shape": list(info.shape),
+                "tier": info.tier,
+            }
+        tiers = {tier.name: _tier_report(tier, keys) for tier in store.tiers}
+    return {
+        "config": str(source),
+        "manifest": str(config.manifest),
+        "objects": len(keys),
+        "bytes": sum(entry["nbytes"] for entry in keys.values()),
+        "tiers": tiers,
+        "keys": keys,
+    }
+
+
+def _tier_report(tier: Tier, keys: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A tier of an inspected store: capacity, the objects and bytes it holds, and each path's
+    location with the space its file system has free (None where it is no local directory)."""
+    paths = {}
+    for path in tier.paths:
+        location = path.backend.location()
+        shown = None if location is None else location.shown
+        usage = shutil.disk_usage(shown) if shown is not None and os.path.isdir(shown) else None
+        paths[path.name] = {
+            "location": shown,
+            "free_bytes": None if usage is None else usage.free,
+            "total_bytes": None if usage is None else usage.total,
+        }
+    held = [entry["nbytes"] for entry in keys.values() if entry["tier"] == tier.name]
+    return {
+        "capacity_bytes": tier.capacity,
+        "used_bytes": tier.used_bytes,
+        "objects": len(held),
+        "bytes": sum(held),
+        "paths": paths,
+    }
+
+
+def _inspect_summary(report: dict[str, Any]) -> str:
+    """The listing for people: the store, its tiers and paths, then one line per key."""
+    lines = [
+        f"store {report['manifest']} (opened read-only): {report['objects']} objects, "
+        f"{_size(report['bytes'])}"
+    ]
+    for name, tier in report["tiers"].items():
+        capacity = (
+            ", no capacity limit"
+            if tier["capacity_bytes"] is None
+            else f" of its capacity of {_size(tier['capacity_bytes'])}"
+        )
+        lines.append(f"tier {name}: {tier['objects']} objects, {_size(tier['used_bytes'])} used{capacity}")
+        for path_name, path in tier["paths"].items():
+            free = (
+                "free space unknown"
+                if path["free_bytes"] is None
+                else f"{_size(path['free_bytes'])} free of {_size(path['total_bytes'])}"
+            )
+            lines.append(f"  path {path_name}: {path['location'] or 'memory'}, {free}")
+    if report["keys"]:
+        width = max(len(key) for key in report["keys"])
+        lines.append(f"{'key':<{width}}  {'size':>10}  {'dtype':<9}  {'tier':<8}  shape")
+        for key, entry in report["keys"].items():
+            lines.append(
+                f"{key:<{width}}  {_size(entry['nbytes']):>10}  {entry['dtype']:<9}  "
+                f"{entry['tier'] or '-':<8}  {entry['shape']}"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
