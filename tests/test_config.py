@@ -447,8 +447,8 @@ def test_every_size_option_is_in_the_rule_test() -> None:
     assert defined == set(DOCUMENT_SIZES)
 
 
-def all_subclasses(model: type) -> set[type]:
-    found = set(model.__subclasses__())
+def all_subclasses(model: type[ConfigModel]) -> set[type[ConfigModel]]:
+    found: set[type[ConfigModel]] = set(model.__subclasses__())
     return found.union(*(all_subclasses(sub) for sub in found))
 
 

@@ -180,12 +180,9 @@ class TierStore(Closeable):
             pack_below=pack_below,
             cache_resident=cache_resident,
         ).arguments()  # as checked: a numpy integer becomes an int
-        cache_budget, workers, memory_budget = (
-            options["cache_budget"],
-            options["workers"],
-            options["memory_budget"],
-        )
-        pack_below = options["pack_below"]
+        cache_budget, workers = options["cache_budget"], options["workers"]
+        memory_budget = None if options["memory_budget"] is None else int(options["memory_budget"])
+        pack_below = int(options["pack_below"])
         self.memory = MemoryLedger(memory_budget)
         """The DRAM ledger the store's workloads reserve their budgets from (see :mod:`.memory`)."""
         self.namespaces = Namespaces()
