@@ -223,18 +223,21 @@ class ZarrBackend(Backend):
     def _check_present(self, name: str) -> None:
         """An array opened earlier outlives its files, and zarr reads absent chunks as zeros, so a
         read checks that the object was not deleted behind the backend's back."""
-        if self.local_root is not None:
-            present = (self.local_root / name / "zarr.json").is_file()
-        else:
-            present = bool(sync(self.store.exists(f"{name}/zarr.json")))
-        if not present:
+        if not self._stored(name):
             with self._lock:
                 self._arrays.pop(name, None)
             raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
 
+    def _stored(self, name: str) -> bool:
+        """Whether the medium holds array ``name``'s metadata (``zarr.json``): on a path, one
+        ``stat``, not a round trip through zarr's event loop (a listing makes one per entry)."""
+        if self.local_root is not None:
+            return (self.local_root / name / "zarr.json").is_file()
+        return bool(sync(self.store.exists(f"{name}/zarr.json")))
+
     def _open(self, name: str, *, missing_ok: bool) -> zarr.Array[Any] | None:
         """Open an existing array and remember it (caller holds the lock)."""
-        if not sync(self.store.exists(f"{name}/zarr.json")):
+        if not self._stored(name):
             if missing_ok:
                 return None
             raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
@@ -247,14 +250,14 @@ class ZarrBackend(Backend):
     def _delete(self, name: str) -> None:
         """Implements :meth:`Backend._delete`: the array's whole directory goes."""
         with self._lock:
-            if name not in self._arrays and not sync(self.store.exists(f"{name}/zarr.json")):
+            if name not in self._arrays and not self._stored(name):
                 raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
             self._arrays.pop(name, None)
             sync(self.store.delete_dir(name))
 
     def _exists(self, name: str) -> bool:
         """Implements :meth:`Backend._exists`: an array's ``zarr.json`` marks it."""
-        return name in self._arrays or bool(sync(self.store.exists(f"{name}/zarr.json")))
+        return name in self._arrays or self._stored(name)
 
     def _size(self, name: str) -> int:
         """Implements :meth:`Backend._size`: the array's length."""

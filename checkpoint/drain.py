@@ -165,7 +165,7 @@ class Drainer:
             target.commit(record.name, record.save_id, metadata, record.committed_at)
         except BaseException:
             for copy_name in copies.values():
-                target.remove_store(copy_name)
+                target.abandon_store(copy_name)
             raise
 
     def _retain(self) -> None:

@@ -233,9 +233,9 @@ class TieredStorageReader(TierSet, StorageReader):
         planner.commit_tensor(read.item, read.target)
 
     def _find(self, name: str | None) -> tuple[CheckpointTier, Committed]:
-        """The newest save of ``name`` (None: of any name), from the first tier holding it."""
-        held = [(tier, record) for tier in self._tiers for record in tier.committed().values()]
-        candidates = [(tier, record) for tier, record in held if name is None or record.name == name]
+        """The newest save of ``name`` (None: of any name), from the first tier holding it; with a
+        name, only that checkpoint's records are read."""
+        candidates = [(tier, record) for tier in self._tiers for record in tier.committed(name).values()]
         if not candidates:
             listing = "; ".join(
                 f"{tier.name}: {', '.join(tier.committed()) or 'none'}" for tier in self._tiers

@@ -39,10 +39,11 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
     checkpoint is committed there; the coordinating rank then copies it to each following tier in
     the background, and it is durable once the last tier holds it. A checkpoint leaves a tier
     before the last only once the last tier holds it; its data leaves a rank's store when that
-    rank's writer next saves (or, once the writer has ended, when the next writer opens).
+    rank's writer next saves or closes.
 
-    Opening the writer collects what interrupted saves, drains and deletions of ended processes
-    left on the tiers. Like DCP's own writers, one writer serves one save at a time: an
+    Opening the writer collects what interrupted saves, drains and deletions of processes that
+    died left on the tiers; where every earlier writer closed, it reads no checkpoint, however
+    many the tiers hold. Like DCP's own writers, one writer serves one save at a time: an
     ``async_save`` waits in its staging until the previous save has written its data. Use the
     thread checkpointer of ``dcp.async_save`` (the default): the process one cannot carry this
     writer to its child process. :meth:`close` (or the ``with`` block) waits for the drain.
@@ -297,7 +298,8 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
         return self._drainer.wait(name, timeout)
 
     def close(self) -> None:
-        """Wait for the drain, then close the tiers and free the budget."""
+        """Wait for the drain, delete the keys of the writer's data store that no checkpoint uses,
+        then close the tiers and free the budget."""
         if self._closed:
             return
         if self._drainer is not None:
@@ -306,8 +308,10 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
             if self._staged is not None:
                 self._staged.abandon()
                 self._staged = None
-        self._store.close()
-        super().close()
+        try:
+            self._tiers[0].close_writer_store(self._store_name, self._store)
+        finally:
+            super().close()
 
     # -- internals --------------------------------------------------------------------------------
     def _start_drainer(self) -> Drainer:

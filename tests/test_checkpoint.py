@@ -6,6 +6,7 @@ Processes (ranks, and the ones killed) come from a forkserver that imported torc
 
 from __future__ import annotations
 
+import builtins
 import json
 import multiprocessing
 import os
@@ -14,14 +15,17 @@ import shutil
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
+from tierstore.backends import register_backend
+from tierstore.backends.wrapper import WrapperBackend
 from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter, stored_tensors
 from tierstore.checkpoint.staging import SaveItems
 from tierstore.checkpoint.tiers import open_tiers
@@ -341,6 +345,99 @@ def test_two_writers_with_default_arguments_on_one_config_keep_apart(tmp_path: P
         assert objects_on_disk(tmp_path) == referenced(settings)
 
 
+def test_data_deleted_from_a_store_another_writer_holds_goes_when_that_writer_closes(tmp_path: Path) -> None:
+    """A writer saves a name again that another writer, still open, saved: the older save leaves
+    both tiers, but its data stays in the other writer's store, marked, until that writer closes;
+    then nothing is left that no checkpoint uses, without a writer opening to collect it."""
+    settings = config(tmp_path)
+    held = TieredStorageWriter(settings)
+    try:
+        save(worker.step_state(1), checkpoint_id="shared", storage_writer=held)
+        held.wait_durable()
+        with TieredStorageWriter(settings) as writer:
+            save(worker.step_state(2), checkpoint_id="shared", storage_writer=writer)
+            writer.wait_durable()
+        assert list((tmp_path / "fast0" / ".checkpoints").glob("u-*"))
+        assert objects_on_disk(tmp_path) != referenced(settings)
+    finally:
+        held.close()
+    assert objects_on_disk(tmp_path) == referenced(settings)
+    worker.assert_same(load_steps(settings, "shared"), worker.step_state(2))
+
+
+class CountingBackend(WrapperBackend):
+    """Another backend, counting the listings, existence checks and reads made through it (every
+    instance together: a store opened is a backend opened)."""
+
+    scheme = "counting"
+    calls: ClassVar[Counter[str]] = Counter()
+
+    def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
+        return self.inner.write(name, offset, data)
+
+    def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
+        self.calls["read"] += 1
+        return self.inner.read_into(name, offset, out)
+
+    def _exists(self, name: str) -> bool:
+        self.calls["exists"] += 1
+        return super()._exists(name)
+
+    def _list(self) -> builtins.list[str]:
+        self.calls["list"] += 1
+        return super()._list()
+
+
+register_backend(CountingBackend)
+
+
+@pytest.mark.parametrize("durable", ["nvme", "zarr+file"])
+def test_opening_a_writer_costs_the_same_with_20_checkpoints_held_as_with_3(
+    tmp_path: Path, durable: str
+) -> None:
+    """Writers save 3 checkpoints, then 17 more, and close. Opening the next writer, and a reader
+    of one checkpoint, makes as many backend listings, existence checks and reads with 20 held on
+    the durable tier as with 3: neither reads another checkpoint's record nor opens its stores
+    (a writable open of one lists the whole tier). A session that ended without cleaning up is
+    collected by the next writer, once."""
+
+    def counted(url: str) -> dict[str, Any]:
+        return {"backend": {"type": "counting", "inner": url}}
+
+    settings = {
+        "cache": {"budget": "64KiB", "pack_below": "4KiB"},
+        "tiers": [
+            {"name": "fast", **counted(f"nvme://{tmp_path / 'fast'}")},
+            {"name": "slow", **counted(f"{durable}://{tmp_path / 'slow'}?chunk_bytes=65536")},
+        ],
+    }
+
+    def calls(opening: Callable[[], TieredStorageWriter | TieredStorageReader]) -> Counter[str]:
+        CountingBackend.calls.clear()
+        opening().close()
+        return Counter(CountingBackend.calls)
+
+    state = {"x": torch.arange(8.0)}
+    writer_calls: dict[int, Counter[str]] = {}
+    reader_calls: dict[int, Counter[str]] = {}
+    for held in (3, 20):
+        with TieredStorageWriter(settings) as writer:
+            for step in range(3 if held == 20 else 0, held):
+                save(state, checkpoint_id=f"step-{step}", storage_writer=writer)
+        writer_calls[held] = calls(lambda: TieredStorageWriter(settings))
+        reader_calls[held] = calls(lambda: TieredStorageReader(settings, "step-0"))  # on "slow" alone
+    assert writer_calls[3] == writer_calls[20], writer_calls
+    assert reader_calls[3] == reader_calls[20], reader_calls
+    (tmp_path / "slow" / ".checkpoints" / "s-0123abcd.lock").touch()  # as a writer that died leaves it
+    assert calls(lambda: TieredStorageWriter(settings))["read"] >= 20  # every record read, to collect it
+    assert calls(lambda: TieredStorageWriter(settings)) == writer_calls[20]
+    with TieredStorageReader(settings) as reader:
+        assert reader.checkpoints() == {
+            "fast": ["step-18", "step-19"],
+            "slow": [f"step-{n}" for n in range(20)],
+        }
+
+
 def test_store_objects_are_linked_into_the_checkpoint_and_loaded_back(tmp_path: Path) -> None:
     """An offloaded optimizer's state lives in a store on the same file system: the save hard-links
     its files (no byte read), the store then replaces them, and the load puts the saved ones back."""
@@ -454,6 +551,8 @@ def test_a_config_file_works_where_a_dict_does(tmp_path: Path) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_session_left(tmp_path: Path) -> Iterator[None]:
-    """Every writer ends its session: no session lock outlives the test's writers."""
+    """Every writer ends its session: no session lock, and no mark of a deletion, outlives the
+    test's writers."""
     yield
     assert not list(tmp_path.rglob("s-*.lock*"))
+    assert not [path for path in tmp_path.rglob(".checkpoints/*") if path.name[:2] in ("x-", "u-")]

@@ -191,7 +191,7 @@ class Catalog:
 
     def _load(self, manifest: Manifest) -> None:
         """Load the manifest's records; unless it is read-only, delete tier objects an interrupted
-        write left behind."""
+        write of an earlier session left behind (a new store has had none, and lists nothing)."""
         tiers = [tier.name for tier in self.chain.tiers]
         for key, entry in manifest.entries.items():
             if entry["tier"] not in tiers:
@@ -217,8 +217,9 @@ class Catalog:
                 persisted=placement,
                 damaged=_mismatch(entry, dtype),
             )
-        if not manifest.read_only:
-            self.chain.collect(manifest.tokens, {entry["name"] for entry in manifest.entries.values()})
+        earlier = manifest.tokens - {manifest.token}
+        if earlier and not manifest.read_only:
+            self.chain.collect(earlier, {entry["name"] for entry in manifest.entries.values()})
 
 
 def _mismatch(entry: dict[str, Any], dtype: torch.dtype) -> str | None:
