@@ -80,6 +80,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_checkpoint.py --repeats 3 --remote-mount /tmp/tierstore-remote/mnt \
 		--output benchmarks/results/checkpoint.json
 	../shared/tools/remote-tier.sh stop
+	$(BIN)/python benchmarks/bench_checkpoint_open.py --output benchmarks/results/checkpoint_open.json
 	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
 	$(BIN)/python benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 --plot benchmarks/results/beyond_memory.png \
