@@ -2,10 +2,18 @@
 
 O_DIRECT needs the buffer address, file offset and length aligned, and ``torch.empty`` /
 ``np.empty`` give no such guarantee, so every buffer here is anonymous ``mmap`` memory (always
-page-aligned). Where CUDA exists the memory is page-locked with ``cudaHostRegister`` so
-host<->device copies can run asynchronously. Tensor views are built with ``np.frombuffer`` +
-``torch.from_numpy``: the numpy array holds the mapping alive for as long as any tensor view exists
-(``torch.frombuffer`` does not, and crashes once the mapping is closed).
+page-aligned). Tensor views are built with ``np.frombuffer`` + ``torch.from_numpy``: the numpy
+array holds the mapping alive for as long as any tensor view exists (``torch.frombuffer`` does not,
+and crashes once the mapping is closed).
+
+A pool made with ``pin=True`` (a workload that copies to a device) page-locks each map for
+asynchronous copies (:func:`tierstore.device.lock_pages`, on the calling thread's current
+device); no other pool touches CUDA. A pinned map is not inherited by a forked child
+(``MADV_DONTFORK``: a child's copy-on-write fault would otherwise give the parent a new page while
+a DMA still targets the old one), and it is unlocked exactly once, by a finalizer on the numpy array
+every view of it holds: when the pool gives the map back, or when the last view is gone, whichever
+comes first, always before the map is unmapped (a map unmapped while still registered would make a
+later map at the same address fail to register).
 
 The pool does not map one region per buffer: the kernel allows about 65,000 maps per process
 (``vm.max_map_count``), so a cache of many small objects would fail with ENOMEM long before its
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import os
 import threading
 import weakref
 from collections import defaultdict
@@ -39,6 +48,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .device import CUDA, DeviceRuntime, lock_pages, unlock_pages
 from .errors import CapacityError
 
 ALIGNMENT = 4096
@@ -64,14 +74,23 @@ def buffer_address(buffer: memoryview) -> int:
 
 
 class AlignedBuffer:
-    """A page-aligned, optionally CUDA-pinned block of host memory of fixed capacity.
+    """A page-aligned, optionally page-locked block of host memory of fixed capacity.
 
     Built directly, it is a map of its own. A :class:`BufferPool` hands out buffers carved from
-    its arenas instead: a slice of a shared map, whose pinning belongs to the map."""
+    its arenas instead: a slice of a shared map, whose pinning belongs to the map.
 
-    __slots__ = ("_array", "_owns_pin", "_tensor", "capacity", "offset", "pinned", "place")
+    Args:
+        capacity: its size in bytes (rounded up to whole pages).
+        pin: page-lock it for copies to the calling thread's current device.
+        runtime: the device runtime that page-locks it; default CUDA's.
 
-    def __init__(self, capacity: int, *, pin: bool = False) -> None:
+    Raises:
+        PinnedMemoryError: page-locking failed (the message names the limits).
+    """
+
+    __slots__ = ("_array", "_tensor", "_unlock", "capacity", "offset", "pinned", "place")
+
+    def __init__(self, capacity: int, *, pin: bool = False, runtime: DeviceRuntime | None = None) -> None:
         self.capacity = round_up(max(capacity, 1))
         self.offset = 0
         self.place: _Arena | _Slab | None = None
@@ -79,10 +98,8 @@ class AlignedBuffer:
         memory, start = _anonymous_map(self.capacity)
         self._array = np.frombuffer(memory, dtype=np.uint8, count=self.capacity, offset=start)
         self._tensor = torch.from_numpy(self._array)
-        self.pinned = self._owns_pin = False
-        if pin:
-            _cuda_host_register(self._tensor)
-            self.pinned = self._owns_pin = True
+        self._unlock = None if not pin else _page_lock(memory, self._array, runtime)
+        self.pinned = pin
 
     @classmethod
     def carved(cls, arena: _Arena, offset: int, capacity: int, place: _Arena | _Slab) -> AlignedBuffer:
@@ -90,7 +107,7 @@ class AlignedBuffer:
         buffer = cls.__new__(cls)
         buffer.capacity, buffer.offset, buffer.place = capacity, offset, place
         buffer._array, buffer._tensor = arena.array, arena.tensor
-        buffer.pinned, buffer._owns_pin = arena.pinned, False
+        buffer.pinned, buffer._unlock = arena.pinned, None
         return buffer
 
     @property
@@ -111,11 +128,12 @@ class AlignedBuffer:
         return self._array[self.offset : self.offset + nbytes].data
 
     def free(self) -> None:
-        """Unpin a buffer with a map of its own; the mapping itself is unmapped once the last view
-        of it is gone. (A pool buffer goes back to its pool instead.)"""
-        if self._owns_pin:
-            torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())  # type: ignore[no-untyped-call]
-            self.pinned = self._owns_pin = False
+        """Unpin a buffer with a map of its own (at once: no copy may touch it any more); the
+        mapping itself is unmapped once the last view of it is gone. (A pool buffer goes back to
+        its pool instead.)"""
+        if self._unlock is not None:
+            self._unlock()
+            self.pinned, self._unlock = False, None
 
 
 def _anonymous_map(nbytes: int) -> tuple[mmap.mmap, int]:
@@ -147,10 +165,22 @@ def aligned_tensor(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tens
     return AlignedBuffer(nbytes).view(nbytes).view(dtype)
 
 
-def _cuda_host_register(tensor: torch.Tensor) -> None:
-    status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)  # type: ignore[no-untyped-call]
-    if int(status) != 0:
-        raise CapacityError(f"cudaHostRegister of {tensor.numel()} bytes failed (status {status})")
+def _page_lock(
+    memory: mmap.mmap, array: np.ndarray[Any, np.dtype[np.uint8]], runtime: DeviceRuntime | None
+) -> Callable[[], object]:
+    """Page-lock ``array`` (all of a map's bytes that views use) and keep ``memory``, its map, out
+    of forked children. The returned finalizer unlocks it exactly once: when called, or when the
+    array is garbage (its last view gone, the map not yet unmapped), whichever comes first.
+
+    Raises:
+        PinnedMemoryError: page-locking failed (nothing is left locked).
+    """
+    if hasattr(mmap, "MADV_DONTFORK"):
+        memory.madvise(mmap.MADV_DONTFORK)
+    runtime = CUDA if runtime is None else runtime
+    address = int(array.ctypes.data)
+    lock_pages(runtime, address, array.nbytes)
+    return weakref.finalize(array, unlock_pages, runtime, address, os.getpid())
 
 
 ARENA_BYTES = 64 << 20
@@ -175,14 +205,20 @@ class _Arena:
     huge page or more start on a huge-page boundary where one fits, so an O_DIRECT request from
     them crosses as few physically contiguous pieces as possible."""
 
-    def __init__(self, nbytes: int, *, pin: bool, resident_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        pin: bool,
+        runtime: DeviceRuntime | None = None,
+        resident_limit: int | None = None,
+    ) -> None:
         self.nbytes = nbytes
         self._map, self._start = _anonymous_map(nbytes)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=self._start)
         self.tensor = torch.from_numpy(self.array)
         self.pinned = pin
-        if pin:
-            _cuda_host_register(self.tensor)
+        self._unlock = None if not pin else _page_lock(self._map, self.array, runtime)
         self._pages = nbytes // ALIGNMENT
         self._free: list[tuple[int, int]] = [(0, self._pages)]
         """Free runs as (first page, pages), in address order, never adjacent."""
@@ -270,9 +306,11 @@ class _Arena:
         self._free.insert(index, (first, pages))
 
     def unpin(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
-            self.pinned = False
+        """Unlock a pinned map at once (the pool gives it back: no buffer of it is in use, so no
+        copy touches it); its finalizer then has nothing left to do."""
+        if self._unlock is not None:
+            self._unlock()
+            self.pinned, self._unlock = False, None
 
 
 class _Slab:
@@ -313,18 +351,28 @@ class BufferPool:
     never exceeds ``capacity``: idle buffers of other sizes are freed to make room, and when
     buffers in use leave no room :meth:`try_acquire` returns ``None`` so the caller can evict.
 
-    ``pin``: page-lock the memory for asynchronous CUDA copies (default: where CUDA exists).
-    ``resident``: keep freed pages for reuse instead of giving them back (see the module
+    ``pin``: page-lock the memory for asynchronous copies to a device (for a workload that makes
+    them; see the module docstring), on the calling thread's current device, through ``runtime``
+    (default CUDA's). ``resident``: keep freed pages for reuse instead of giving them back (see the module
     docstring): the pool is then one map of twice its capacity, so that buffers in use rarely
     split its free pages into pieces too small for the next one, of which at most ``capacity``
     bytes are ever resident (rounded down to whole huge pages on a huge-page map). Pinned, it is
     one map of its capacity, all of it resident.
     """
 
-    def __init__(self, capacity: int, *, pin: bool | None = None, resident: bool = False) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        pin: bool = False,
+        resident: bool = False,
+        runtime: DeviceRuntime | None = None,
+    ) -> None:
         if capacity < 0:
             raise CapacityError(f"buffer pool capacity must be >= 0, got {capacity}")
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pin = pin
+        self.runtime = runtime
+        """The device runtime that page-locks a pinned pool's maps (None: CUDA's)."""
         self.resident = resident
         if resident:
             self.arena_bytes = round_up(max(capacity, ALIGNMENT)) * (1 if self.pin else 2)
@@ -339,6 +387,7 @@ class BufferPool:
         self._idle_bytes = 0
         self._allocated = 0
         self._in_use = 0
+        self._closed = False
         self._lock = threading.Lock()
 
     @property
@@ -363,7 +412,9 @@ class BufferPool:
         pages into pieces too small, it gives some back and takes fresh ones (page faults) for a
         run elsewhere. Callers pass it when waiting can free nothing more.
 
-        Raises :class:`CapacityError` if ``nbytes`` exceeds the whole pool.
+        Raises :class:`CapacityError` if ``nbytes`` exceeds the whole pool, and its subclass
+        :class:`~tierstore.errors.PinnedMemoryError` if a pinned pool's new map cannot be
+        page-locked.
         """
         if not self.fits(nbytes):
             raise CapacityError(
@@ -405,12 +456,15 @@ class BufferPool:
             on_return()
 
     def release(self, buffer: AlignedBuffer) -> None:
-        """Return a buffer for reuse; the caller must hold no view of it any more. A resident
-        pool puts its pages back in the map at once (they stay resident, for any size)."""
+        """Return a buffer for reuse; the caller must hold no view of it any more, and no copy may
+        still touch it. A resident pool puts its pages back in the map at once (they stay
+        resident, for any size); a closed pool frees them."""
         with self._lock:
             self._in_use -= buffer.capacity
-            if self.resident:
+            if self.resident or self._closed:
                 self._free(buffer)
+                if self._closed:
+                    self._drop_empty_arenas()
                 return
             self._idle[buffer.capacity].append(buffer)
             self._idle_bytes += buffer.capacity
@@ -421,9 +475,20 @@ class BufferPool:
         with self._lock:
             while self._idle_bytes:
                 self._drop_one_idle()
-            for arena in [arena for arena in self._arenas if arena.empty]:
-                arena.unpin()
-                self._arenas.remove(arena)
+            self._drop_empty_arenas()
+
+    def close(self) -> None:
+        """:meth:`clear`, and free each buffer still in use as soon as it is released: its map, if
+        pinned, is unlocked then, never while the buffer may still be in a copy."""
+        with self._lock:
+            self._closed = True
+        self.clear()
+
+    def _drop_empty_arenas(self) -> None:
+        """Unpin and forget the maps no buffer uses (under the lock)."""
+        for arena in [arena for arena in self._arenas if arena.empty]:
+            arena.unpin()
+            self._arenas.remove(arena)
 
     # -- carving (under the lock) -------------------------------------------------------------------
     def _carve(self, size: int, fresh_pages: bool) -> AlignedBuffer | None:
@@ -433,8 +498,9 @@ class BufferPool:
         if self._allocated + size > self.capacity:
             return None
         if size > self.arena_bytes:  # rare by the budget: a map of its own
+            buffer = AlignedBuffer(size, pin=self.pin, runtime=self.runtime)
             self._allocated += size
-            return AlignedBuffer(size, pin=self.pin)
+            return buffer
         placed = self._run(_pages(size), fresh_pages)
         if placed is None:
             return None
@@ -466,7 +532,7 @@ class BufferPool:
         if self.resident and self._arenas:
             return None
         limit = self.capacity if self.resident and not self.pin else None
-        arena = _Arena(self.arena_bytes, pin=self.pin, resident_limit=limit)
+        arena = _Arena(self.arena_bytes, pin=self.pin, runtime=self.runtime, resident_limit=limit)
         self._arenas.append(arena)
         offset = arena.allocate(pages, fresh_pages)
         assert offset is not None  # a fresh arena holds any run up to its own size

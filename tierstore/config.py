@@ -69,7 +69,8 @@ class CacheConfig(ConfigModel):
     """The store's DRAM cache (the ``[cache]`` table)."""
 
     budget: ByteSize = ByteSize(256 << 20)
-    """Bytes of DRAM the cache may hold (page-aligned buffers, pinned where CUDA exists)."""
+    """Bytes of DRAM the cache may hold (page-aligned buffers; device copies cross the bus through
+    the store's own few pinned pieces)."""
     policy: Policy = "write-back"
     """``write-back``: a put lands in DRAM and reaches a tier on eviction or flush;
     ``write-through``: a put resolves once its tier write is done (and stays cached)."""

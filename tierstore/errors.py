@@ -47,6 +47,12 @@ class CapacityError(TierStoreError, MemoryError):
     """An object does not fit in a buffer pool, DRAM budget or tier capacity."""
 
 
+class PinnedMemoryError(CapacityError):
+    """Host memory for copies to a device could not be page-locked (``cudaHostRegister`` failed);
+    the message names the size and the limits that bound it (``ulimit -l``,
+    ``vm.max_map_count``)."""
+
+
 class BandwidthUnknownError(TierStoreError, LookupError):
     """No bandwidth estimate exists yet for the paths a plan needs: none was configured or probed,
     and too little traffic has been measured."""

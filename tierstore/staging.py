@@ -2,10 +2,11 @@
 
 Every workload that stages data (the write-back cache, the offloaded optimizer's sub-groups,
 spilled activations, checkpoint drains) needs the same kind of memory: page-aligned buffers that
-O_DIRECT can use without a bounce copy, page-locked where CUDA exists so host<->device copies run
-asynchronously, recycled by size (:class:`~tierstore.buffers.BufferPool`), and counted against
-the store's one DRAM budget (:class:`~tierstore.memory.MemoryLedger`) so that the sum of all
-workloads' budgets is checked when each starts, not discovered as an out-of-memory kill mid-step.
+O_DIRECT can use without a bounce copy, page-locked for a workload that copies to a device
+(``pin``) so that those copies run asynchronously, recycled by size
+(:class:`~tierstore.buffers.BufferPool`), and counted against the store's one DRAM budget
+(:class:`~tierstore.memory.MemoryLedger`) so that the sum of all workloads' budgets is checked when
+each starts, not discovered as an out-of-memory kill mid-step.
 
 A :class:`StagingArea` is that memory for one owner: its budget is reserved from the ledger when
 it is made and given back when it is closed (or garbage collected), and its pool never holds more
@@ -19,12 +20,14 @@ from collections.abc import Callable
 
 from ._checks import SIZE_REQUIREMENT, byte_count
 from .buffers import AlignedBuffer, BufferPool, Lease, round_up
+from .device import DeviceRuntime
 from .errors import CapacityError, ConfigError
 from .memory import MemoryLedger, Reservation
 
 
 class StagingArea:
-    """Aligned (and, where CUDA exists, pinned) buffers under a byte budget reserved from a ledger.
+    """Aligned (and, for copies to a device, pinned) buffers under a byte budget reserved from a
+    ledger.
 
     Args:
         ledger: the store's DRAM ledger (:attr:`TierStore.memory`); the budget is reserved from it
@@ -33,7 +36,9 @@ class StagingArea:
             ``"optimizer <namespace>"``, ``"activations <namespace>"``).
         budget: bytes reserved from the ledger (an int, or text such as ``"64MiB"``): the most
             the area's buffers (and the owner's own, see ``pool_bytes``) ever hold.
-        pin: page-lock the buffers for asynchronous CUDA copies; default: where CUDA exists.
+        pin: page-lock the buffers for asynchronous copies to a device, on the calling thread's
+            current device (only a workload that makes such copies pins: page-locking initialises
+            CUDA); see :mod:`tierstore.device`.
         resident: keep freed pages for reuse instead of returning them to the kernel (for
             workloads whose buffer sizes change all the time and that fill their budget every
             step; see :class:`~tierstore.buffers.BufferPool`).
@@ -41,12 +46,15 @@ class StagingArea:
             that also holds buffers of its own under the same budget (an offloaded optimizer's
             read-ahead ring and gradient buffer), which the reservation then counts too; at most
             the budget rounded up to whole pages (the pool carves whole pages).
+        runtime: the device runtime that page-locks pinned buffers; default CUDA's.
 
     Raises:
         ConfigError: ``owner`` is not a non-empty string, or ``budget`` or ``pool_bytes`` is not
             a number of bytes >= 0 nor text such as ``"64MiB"`` (a bool is refused).
         CapacityError: the budget does not fit beside the other workloads' reservations (the
-            message names who holds what), or ``pool_bytes`` is above the budget.
+            message names who holds what), or ``pool_bytes`` is above the budget. Page-locking
+            happens as buffers are carved: :meth:`try_acquire` raises its
+            :class:`~tierstore.errors.PinnedMemoryError`.
     """
 
     def __init__(
@@ -55,9 +63,10 @@ class StagingArea:
         owner: str,
         budget: int | str,
         *,
-        pin: bool | None = None,
+        pin: bool = False,
         resident: bool = False,
         pool_bytes: int | str | None = None,
+        runtime: DeviceRuntime | None = None,
     ) -> None:
         budget_bytes, pool = _checked_sizes(owner, budget, pool_bytes)
         self.owner = owner
@@ -65,13 +74,19 @@ class StagingArea:
         reservation = ledger.reserve(owner, budget_bytes)
         self._reservation: Reservation = reservation
         self._unreserve = weakref.finalize(self, ledger.release, reservation)
-        self.pool = BufferPool(pool, pin=pin, resident=resident)
+        self._pool_bytes = pool
+        self.pool = BufferPool(pool, pin=pin, resident=resident, runtime=runtime)
         """The buffers (acquire, lease and release them here)."""
 
     @property
     def budget(self) -> int:
         """Bytes reserved for this area in the ledger."""
         return self._reservation.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffers are page-locked for copies to a device."""
+        return self.pool.pin
 
     @property
     def capacity(self) -> int:
@@ -115,6 +130,7 @@ class StagingArea:
 
         Raises:
             CapacityError: ``nbytes`` exceeds the pool's whole capacity.
+            PinnedMemoryError: a pinned area's new memory could not be page-locked.
         """
         return self.pool.try_acquire(nbytes, fresh_pages=fresh_pages)
 
@@ -135,6 +151,7 @@ class StagingArea:
 
         Raises:
             CapacityError: ``nbytes`` exceeds the pool's whole capacity.
+            PinnedMemoryError: a pinned area's new memory could not be page-locked.
         """
         return self.pool.try_lease(nbytes, on_return, fresh_pages=fresh_pages)
 
@@ -165,13 +182,32 @@ class StagingArea:
         self._unreserve.detach()
         self._reservation = reservation
         self._unreserve = weakref.finalize(self, self.ledger.release, reservation)
-        self.pool.clear()
-        self.pool = BufferPool(pool, pin=self.pool.pin, resident=self.pool.resident)
+        self._pool_bytes = pool
+        self._renew_pool(pin=self.pool.pin)
+
+    def pin_for_device(self) -> bool:
+        """Page-lock the area's buffers from now on, for a workload that learns only as it runs
+        that it copies to a device (activation offload, at its first save of a CUDA tensor): the
+        pool starts afresh, pinned, if no buffer of it is in use.
+
+        Returns:
+            Whether the area is pinned now (False while buffers are in use: they stay unpinned,
+            and a copy through them is synchronous; ask again later).
+        """
+        if not self.pool.pin and self.pool.in_use_bytes == 0:
+            self._renew_pool(pin=True)
+        return self.pool.pin
+
+    def _renew_pool(self, *, pin: bool) -> None:
+        """Replace the pool (none of whose buffers is in use) with an empty one."""
+        old = self.pool
+        old.close()
+        self.pool = BufferPool(self._pool_bytes, pin=pin, resident=old.resident, runtime=old.runtime)
 
     def close(self) -> None:
         """Free the idle buffers and give the budget back to the ledger (buffers still in use stay
-        valid until released)."""
-        self.pool.clear()
+        valid until released, and are freed then)."""
+        self.pool.close()
         self._unreserve()
 
 

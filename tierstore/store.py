@@ -57,10 +57,12 @@ from ._closeable import Closeable
 from ._futures import when_all
 from ._serial import KeyedSerializer
 from .backends import Backend
+from .buffers import AlignedBuffer
 from .cache import WriteBackCache
 from .catalog import Catalog, Record
 from .chain import TierChain
 from .config import ConfigSource, Policy, StoreOptions, Verify, default_config, load_config
+from .device import CallerStream, DeviceCopies, DeviceRuntime
 from .errors import (
     BackendIOError,
     BufferMismatchError,
@@ -77,7 +79,7 @@ from .memory import MemoryLedger
 from .model import PathSpeed
 from .namespaces import Namespaces, check_key
 from .staging import StagingArea
-from .tier import Tier
+from .tier import Placement, Tier
 
 _log = logging.getLogger("tierstore")
 
@@ -223,6 +225,8 @@ class TierStore(Closeable):
                 pack_below=pack_below,
             )
         self._serial = KeyedSerializer(workers, "tierstore")
+        self._device = DeviceCopies(staging=self._device_staging)
+        """Copies to and from devices (:mod:`.device`); nothing of it is made before the first."""
 
     @classmethod
     def from_config(cls, config: ConfigSource | None = None, *, read_only: bool = False) -> TierStore:
@@ -262,7 +266,7 @@ class TierStore(Closeable):
         owner: str,
         budget: int | str,
         *,
-        pin: bool | None = None,
+        pin: bool = False,
         resident: bool = False,
         pool_bytes: int | str | None = None,
     ) -> StagingArea:
@@ -272,7 +276,8 @@ class TierStore(Closeable):
             owner: who holds the memory, as :meth:`stats` reports it.
             budget: bytes reserved from :attr:`memory` until the area is closed (an int, or
                 text such as ``"64MiB"``).
-            pin: page-lock the buffers for asynchronous CUDA copies; default where CUDA exists.
+            pin: page-lock the buffers for asynchronous copies to a device (only a workload that
+                makes such copies pins: page-locking initialises CUDA).
             resident: keep freed pages for reuse instead of returning them to the kernel.
             pool_bytes: the most the area's buffers hold, if less than ``budget`` (the owner
                 holds buffers of its own under the same budget).
@@ -302,7 +307,10 @@ class TierStore(Closeable):
 
         Args:
             key: the object's name (see :func:`~tierstore.namespaces.check_key` for the rules).
-            tensor: any dtype, shape, strides or device; dense (strided) memory only.
+            tensor: any dtype, shape, strides or device; dense (strided) memory only. A CUDA
+                tensor is read after the work queued on the calling thread's current stream when
+                ``put`` is called, on a copy stream (:mod:`tierstore.device`), through the store's
+                pinned pieces; work queued after the call may change it once the future resolves.
             cache: False for a caller that manages its own DRAM (the offloaded optimizer): the
                 object goes straight to a tier from the tensor's memory, and any cached copy of
                 the previous version is dropped.
@@ -348,15 +356,32 @@ class TierStore(Closeable):
         elif not isinstance(write_through, bool):
             raise ConfigError(f"put({key!r}): write_through is True, False or None, not {write_through!r}")
         cached = cache and not scratch
-        return self._serial.submit(key, self._put, key, tensor.detach(), cached, scratch, write_through)
+        caller = self._device.caller_of(tensor)
+        return self._serial.submit(
+            key, self._put, key, tensor.detach(), cached, scratch, write_through, caller
+        )
 
-    def get(self, key: str, out: torch.Tensor | None = None, *, cache: bool = True) -> Future[torch.Tensor]:
+    def get(
+        self,
+        key: str,
+        out: torch.Tensor | None = None,
+        *,
+        cache: bool = True,
+        device: torch.device | str | None = None,
+    ) -> Future[torch.Tensor]:
         """Read ``key``, after the operations already issued on it.
+
+        A CUDA destination (``out``, or a new tensor on ``device``) is written on a copy stream
+        (:mod:`tierstore.device`) after the work queued on the calling thread's current stream when
+        ``get`` is called (kernels still reading ``out``), through the store's pinned pieces; that
+        stream waits for the copies before the work queued once the future has resolved.
 
         Args:
             key: a committed key, or one whose put is pending.
             out: where to read to: the object's shape and dtype, any device and strides; None for
-                a new CPU tensor.
+                a new tensor on ``device``.
+            device: where the new tensor goes when there is no ``out``: ``"cpu"`` (None, the
+                default) or a CUDA device (``"cuda"``: the current one).
             cache: False to read a miss straight into the destination without caching it (a copy
                 already in the cache is still used). A miss the cache has no room for (objects
                 whose write-back failed hold it) is read that way too.
@@ -367,6 +392,7 @@ class TierStore(Closeable):
         Raises:
             KeyNotFoundError: no such key.
             BufferMismatchError: ``out`` does not match the object, or its elements share memory.
+            ConfigError: ``device`` is not the CPU or a CUDA device, or comes with ``out``.
             ChecksumError: (through the future) the bytes read are not the bytes written; it
                 names the key, path and backend object.
             BackendIOError: (through the future) no copy can be read.
@@ -381,7 +407,8 @@ class TierStore(Closeable):
             record = self._catalog.get(key)
             if record is not None and not self._serial.pending(key):  # else a queued put decides
                 _check_out(key, record, out)
-        return self._serial.submit(key, self._get, key, out, cache)
+        caller = self._caller(key, out, device)
+        return self._serial.submit(key, self._get, key, out, cache, caller)
 
     def prefetch(self, keys: Iterable[str]) -> Future[None]:
         """Load ``keys`` into the DRAM cache in the background.
@@ -490,7 +517,7 @@ class TierStore(Closeable):
         persisted = None if dirty else record.persisted
         placement = None if persisted is None else destination._chain.copy_in(persisted)
         if placement is None:
-            destination.put(copy_key, self._get(key, None, False), cache=False).result()
+            destination.put(copy_key, self._get(key, None, False, None), cache=False).result()
             return
         copy = Record(record.shape, record.dtype, record.nbytes, persisted=placement)
         destination._serial.submit(copy_key, destination._commit_copy, copy_key, copy).result()
@@ -582,6 +609,7 @@ class TierStore(Closeable):
             release.callback(self._catalog.close)
             if self._cache is not None:
                 release.callback(self._cache.close)
+            release.callback(self._device.close)
             release.callback(self._serial.shutdown)
             release.callback(setattr, self, "_closed", True)
             if self._catalog.manifest is not None:
@@ -627,7 +655,15 @@ class TierStore(Closeable):
         return len(self._catalog)
 
     # -- operations (run on the serializer, one key at a time) -----------------------------------
-    def _put(self, key: str, tensor: torch.Tensor, cached: bool, scratch: bool, write_through: bool) -> None:
+    def _put(
+        self,
+        key: str,
+        tensor: torch.Tensor,
+        cached: bool,
+        scratch: bool,
+        write_through: bool,
+        caller: CallerStream | None,
+    ) -> None:
         record = Record(
             tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), scratch=scratch
         )
@@ -640,15 +676,17 @@ class TierStore(Closeable):
             if entry is None and not write_through:
                 raise cache.no_room(key, record.nbytes)
         if entry is None:  # straight to a tier (also a write-through put the cache has no room for)
-            source = _materialized(tensor)
-            record.persisted = self._chain.write(_bytes_of(source), Priority.CRITICAL).result()
+            record.persisted = self._write_straight(tensor, caller)
             self._catalog.commit(key, record)
             if self._cache is not None:  # a copy of the version just replaced
                 self._cache.drop(key)
             return
         assert cache is not None
         try:
-            entry.typed().copy_(tensor)
+            if caller is None:
+                entry.typed().copy_(tensor)
+            else:
+                self._device.download(tensor, entry.memoryview(), caller)
             if write_through:
                 record.persisted = self._chain.write(entry.memoryview(), Priority.CRITICAL).result()
                 entry.dirty = False
@@ -658,7 +696,9 @@ class TierStore(Closeable):
             raise
         cache.attach(entry)
 
-    def _get(self, key: str, out: torch.Tensor | None, cached: bool) -> torch.Tensor:
+    def _get(
+        self, key: str, out: torch.Tensor | None, cached: bool, caller: CallerStream | None
+    ) -> torch.Tensor:
         cache = self._cache
         # The cache first: a copy evicted after this lookup was clean, so the record read next
         # already names its placement on a tier.
@@ -676,7 +716,11 @@ class TierStore(Closeable):
             ):
                 entry = cache.load(key, record, lambda into: self._read(key, record, into), pinned=True)
             if entry is None:  # not cached, not to be cached, or no cache room: straight to the destination
-                return self._read_direct(key, record, out)
+                return self._read_direct(key, record, out, caller)
+            if caller is not None:
+                on_device = self._device.empty(record.shape, record.dtype, caller) if out is None else out
+                self._device.upload(entry.memoryview(), on_device, caller)
+                return on_device
             destination = torch.empty(record.shape, dtype=record.dtype) if out is None else out
             destination.copy_(entry.typed())
             return destination
@@ -711,7 +755,15 @@ class TierStore(Closeable):
             raise ManifestError(errno.EIO, f"key {key!r}: the manifest's entry is damaged: {record.damaged}")
         self._chain.read(key, record.persisted, out, priority)
 
-    def _read_direct(self, key: str, record: Record, out: torch.Tensor | None) -> torch.Tensor:
+    def _read_direct(
+        self, key: str, record: Record, out: torch.Tensor | None, caller: CallerStream | None
+    ) -> torch.Tensor:
+        if caller is not None:  # through host memory reserved for the read
+            on_device = self._device.empty(record.shape, record.dtype, caller) if out is None else out
+            with self._host_memory(record.nbytes) as host:
+                self._read(key, record, host)
+                self._device.upload(host, on_device, caller)
+            return on_device
         direct = (
             out is not None
             and out.device.type == "cpu"
@@ -725,6 +777,49 @@ class TierStore(Closeable):
             out.copy_(destination)
             return out
         return destination
+
+    # -- device copies ----------------------------------------------------------------------------
+    def _caller(
+        self, key: str, out: torch.Tensor | None, device: torch.device | str | None
+    ) -> CallerStream | None:
+        """The caller's stream at a ``get`` that fills device memory (``out``, or a new tensor on
+        ``device``), marked now, on the caller's thread; None for host memory."""
+        if device is None:
+            return None if out is None else self._device.caller_of(out)
+        if out is not None:
+            raise ConfigError(f"get({key!r}): pass out or device, not both (out is where it goes)")
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError):
+            target = None
+        if target is None or target.type not in ("cpu", "cuda"):
+            raise ConfigError(f"get({key!r}): device must be 'cpu' or a CUDA device, not {device!r}")
+        return None if target.type == "cpu" else self._device.caller(target)
+
+    def _device_staging(self, nbytes: int, runtime: DeviceRuntime) -> StagingArea:
+        """The pinned pieces that device copies are staged through, reserved from :attr:`memory`
+        at the first device copy (see :class:`~tierstore.device.DeviceCopies`)."""
+        return StagingArea(self.memory, "device copies", nbytes, pin=True, runtime=runtime)
+
+    def _write_straight(self, tensor: torch.Tensor, caller: CallerStream | None) -> Placement:
+        """Write ``tensor`` to a tier past the cache: from its own memory, or a device tensor's
+        bytes from host memory reserved for the write."""
+        if caller is None:
+            return self._chain.write(_bytes_of(_materialized(tensor)), Priority.CRITICAL).result()
+        with self._host_memory(tensor.numel() * tensor.element_size()) as host:
+            self._device.download(tensor, host, caller)
+            return self._chain.write(host, Priority.CRITICAL).result()
+
+    @contextlib.contextmanager
+    def _host_memory(self, nbytes: int) -> Iterator[memoryview]:
+        """Host memory for a device tensor's bytes on their way to or from a tier past the cache,
+        reserved from :attr:`memory` (as ``device copies``) while it is used: never more than the
+        store's memory budget, however large the object."""
+        reservation = self.memory.reserve("device copies", nbytes)
+        try:
+            yield AlignedBuffer(nbytes).memoryview(nbytes)
+        finally:
+            self.memory.release(reservation)
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_open(self) -> None:

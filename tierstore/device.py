@@ -1,0 +1,656 @@
+"""Copies between host memory and a device, in order with the caller's streams.
+
+The store (``put`` of a CUDA tensor, ``get`` into one or onto a device), activation offload and
+checkpoint staging copy between host memory and GPUs through one kind of object, a
+:class:`DeviceCopies`. What it guarantees:
+
+**Ordering.** CUDA runs the work of one stream in order and the work of different streams in any
+order. A tensor handed over may still be written by kernels queued on the caller's current stream
+(a side stream of FSDP, DeepSpeed or the user's), and memory to be filled may still be read by
+kernels queued before the call. So:
+
+* at the call, on the caller's thread, an event is recorded on its current stream
+  (:meth:`DeviceCopies.caller` returns it as a :class:`CallerStream`);
+* every copy runs on the device's copy stream (one per device, made at its first copy), which first
+  waits for that event: it reads or writes the caller's memory only after the work the caller
+  queued before the call;
+* a copy to a device ends with an event that the caller's stream waits for: the work the caller
+  queues once the copy is reported done (the store's future resolved) runs after it.
+
+The copy stream is not the caller's, so copies overlap its kernels. The host waits only in
+:meth:`DeviceCopies.wait`, :meth:`~DeviceCopies.download`, :meth:`~DeviceCopies.upload` and
+:meth:`~DeviceCopies.close`, on the thread that calls them (a store worker, a workload's background
+thread): a stream never waits for the host.
+
+**Lifetimes.** Each copy is a :class:`Transfer`: its end event and every tensor it reads or writes
+(pinned host buffers, device temporaries, the caller's tensors), held until the event has
+completed, so that no memory is freed, reused by torch's caching allocator or returned to its pool
+while a DMA may still touch it; its ``on_end`` callbacks run then. :meth:`DeviceCopies.reap` lets
+go of the transfers that have ended without waiting (an event query); it runs at every new copy.
+
+**Staging.** :meth:`~DeviceCopies.download` and :meth:`~DeviceCopies.upload` move a tensor of any
+size through a few pinned pieces (:class:`PinnedPieces`, :data:`PIECE_BYTES` each, reserved from
+the store's memory ledger at its first device copy): while one piece crosses the bus the other is
+copied to or from ordinary host memory. A piece goes back to be lent again only once its copy has
+ended.
+
+**Page-locked memory.** A DMA needs host memory the kernel cannot move: :mod:`.buffers` page-locks
+its maps with :func:`lock_pages` when (and only when) a workload asks for pinned memory, on the
+calling thread's current device (a device copy's thread makes the copy's device current first, so
+no other device's context is ever made), and never touches CUDA otherwise. A failed page-lock is a
+:class:`~tierstore.errors.PinnedMemoryError` naming the size and the limits (``ulimit -l``,
+``vm.max_map_count``), and it leaves no CUDA error behind for torch's next kernel launch to report.
+Each pinned map is unlocked exactly once (a finalizer, whatever the order of release) and is not
+inherited by a forked child (``MADV_DONTFORK``), so a fork (DataLoader workers) cannot move a page
+under a DMA.
+
+The device runtime is a small protocol, :class:`DeviceRuntime`: CUDA's through torch
+(:class:`CudaRuntime`, the default), or a simulation whose copies complete only when a test says
+so (:class:`tierstore.testing.device.SimulatedDevice`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import resource
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from .errors import PinnedMemoryError
+
+if TYPE_CHECKING:
+    from .buffers import AlignedBuffer
+    from .staging import StagingArea
+
+PIECE_BYTES = 4 << 20
+"""Bytes of one pinned piece that device copies are staged through: large enough that a copy's
+fixed cost is small beside its transfer, small enough that a few cost nothing."""
+PIECES = 2
+"""Pinned pieces of a store: one crosses the bus while the other is filled or emptied."""
+
+
+class DeviceRuntime(Protocol):
+    """What :class:`DeviceCopies` needs of a device runtime. Streams and events are the runtime's
+    own opaque handles."""
+
+    def device_of(self, tensor: torch.Tensor) -> torch.device | None:
+        """The device holding ``tensor``'s memory, or None for host memory."""
+
+    def resolve(self, device: torch.device) -> torch.device:
+        """``device`` with its index (``cuda`` alone: the calling thread's current device)."""
+
+    def using(self, device: torch.device) -> AbstractContextManager[object]:
+        """Make ``device`` the calling thread's current device inside the block (where new streams
+        and page-locking go)."""
+
+    def current_stream(self, device: torch.device) -> object:
+        """The calling thread's current stream on ``device``."""
+
+    def new_stream(self, device: torch.device) -> object:
+        """A new stream on ``device``."""
+
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, stream: object
+    ) -> torch.Tensor:
+        """Uninitialised device memory belonging to ``stream``: once freed, the caching allocator
+        reuses it for work queued on that stream, in that stream's order."""
+
+    def record(self, stream: object) -> object:
+        """An event recorded on ``stream``: it completes once the work queued there so far has."""
+
+    def wait(self, stream: object, event: object) -> None:
+        """Make the work queued on ``stream`` from now on wait for ``event``."""
+
+    def copy(self, stream: object, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """Queue ``destination.copy_(source)`` on ``stream`` (any direction, any strides) and return
+        at once."""
+
+    def query(self, event: object) -> bool:
+        """Whether ``event`` has completed (never waits)."""
+
+    def synchronize(self, event: object) -> None:
+        """Wait on the calling thread until ``event`` has completed."""
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        """Page-lock ``nbytes`` of host memory at ``address`` for the calling thread's current
+        device; None, or why it failed (which leaves the runtime's last error set)."""
+
+    def unregister(self, address: int) -> None:
+        """Undo :meth:`register` of the memory at ``address``."""
+
+    def clear_error(self) -> None:
+        """Reset the runtime's last error on the calling thread."""
+
+
+class CudaRuntime:
+    """CUDA through torch (:class:`DeviceRuntime`). Nothing here runs, or initialises CUDA, until
+    a method is called."""
+
+    def __init__(self) -> None:
+        self._registered: dict[int, int] = {}
+        """Device index current when each address was page-locked: it is unlocked there."""
+
+    def device_of(self, tensor: torch.Tensor) -> torch.device | None:
+        return tensor.device if tensor.is_cuda else None
+
+    def resolve(self, device: torch.device) -> torch.device:
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def using(self, device: torch.device) -> AbstractContextManager[object]:
+        return torch.cuda.device(device)
+
+    def current_stream(self, device: torch.device) -> object:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> object:
+        return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, stream: object
+    ) -> torch.Tensor:
+        assert isinstance(stream, torch.cuda.Stream)
+        with torch.cuda.stream(stream):
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def record(self, stream: object) -> object:
+        assert isinstance(stream, torch.cuda.Stream)
+        # Blocking: a thread that waits for it sleeps instead of spinning on a core.
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+    def wait(self, stream: object, event: object) -> None:
+        assert isinstance(stream, torch.cuda.Stream) and isinstance(event, torch.cuda.Event)
+        stream.wait_event(event)
+
+    def copy(self, stream: object, destination: torch.Tensor, source: torch.Tensor) -> None:
+        assert isinstance(stream, torch.cuda.Stream)
+        with torch.cuda.stream(stream):
+            destination.copy_(source, non_blocking=True)
+
+    def query(self, event: object) -> bool:
+        assert isinstance(event, torch.cuda.Event)
+        return bool(event.query())  # type: ignore[no-untyped-call]
+
+    def synchronize(self, event: object) -> None:
+        assert isinstance(event, torch.cuda.Event)
+        event.synchronize()
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device is available (torch.cuda.is_available() is False)"
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        status = cudart.cudaHostRegister(address, nbytes, 0)
+        if int(status) == 0:
+            self._registered[address] = torch.cuda.current_device()
+            return None
+        return f"cudaHostRegister: {cudart.cudaGetErrorString(status)} (cudaError {int(status)})"
+
+    def unregister(self, address: int) -> None:
+        index = self._registered.pop(address, None)
+        if index is None:
+            return
+        with torch.cuda.device(index):
+            status = torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+            if int(status) != 0:
+                self.clear_error()
+
+    def clear_error(self) -> None:
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return  # no runtime call was made, so none left an error
+        # torch.cuda.cudart() does not bind cudaGetLastError: call the libcudart torch loaded (the
+        # last error lives in that library's per-thread state, so it must be the same instance).
+        library = _loaded_cudart()
+        if library is not None:
+            library.cudaGetLastError()
+            return
+        # A statically linked runtime: torch's next kernel launch checks (and so resets) the last
+        # error; make that launch here and drop the error it reports.
+        with contextlib.suppress(RuntimeError):
+            torch.zeros(1, device="cuda")
+
+
+@functools.cache
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library mapped into this process (by torch), or None."""
+    path = cudart_path(Path("/proc/self/maps").read_text())
+    return None if path is None else ctypes.CDLL(path)
+
+
+def cudart_path(maps: str) -> str | None:
+    """The file of the CUDA runtime library (``libcudart.so...``) in a ``/proc/<pid>/maps`` text,
+    or None if none is mapped."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and os.path.basename(fields[5]).startswith("libcudart.so"):
+            return fields[5]
+    return None
+
+
+CUDA = CudaRuntime()
+"""The runtime of every :class:`DeviceCopies` and pinned pool not given another."""
+
+
+def memory_limits() -> str:
+    """The limits that bound page-locked memory, in words: the locked-memory limit (``ulimit -l``,
+    ``RLIMIT_MEMLOCK``) and the most maps a process may have (``vm.max_map_count``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def limit(value: int) -> str:
+        return "unlimited" if value == resource.RLIM_INFINITY else f"{value} bytes"
+
+    try:
+        max_maps = Path("/proc/sys/vm/max_map_count").read_text().strip()
+    except OSError:
+        max_maps = "unknown"
+    return f"locked memory (ulimit -l) {limit(soft)}, hard limit {limit(hard)}; vm.max_map_count {max_maps}"
+
+
+def lock_pages(runtime: DeviceRuntime, address: int, nbytes: int) -> None:
+    """Page-lock host memory for copies to the calling thread's current device.
+
+    Args:
+        runtime: the device runtime that locks it.
+        address: the first byte (page-aligned).
+        nbytes: how many bytes.
+
+    Raises:
+        PinnedMemoryError: the runtime refused; the message names the size and the limits, and
+            the runtime's last error is reset (torch would report it at its next kernel launch).
+    """
+    reason = runtime.register(address, nbytes)
+    if reason is None:
+        return
+    runtime.clear_error()
+    raise PinnedMemoryError(
+        f"page-locking {nbytes} bytes of host memory for copies to a device failed ({reason}); "
+        f"the limits: {memory_limits()}. Raise them, or give the workload a smaller budget"
+    )
+
+
+def unlock_pages(runtime: DeviceRuntime, address: int, locked_by: int) -> None:
+    """Undo :func:`lock_pages` (a finalizer's callback): only in the process that locked the
+    memory (``locked_by``, its pid), since a forked child neither inherits the lock nor, with
+    ``MADV_DONTFORK``, the memory."""
+    if os.getpid() == locked_by:
+        runtime.unregister(address)
+
+
+@dataclass(frozen=True)
+class CallerStream:
+    """The caller's place on its stream at a call: copies made for the call start after
+    ``event``, and a copy to the device makes ``stream`` wait for its end."""
+
+    device: torch.device
+    stream: object
+    """The caller's current stream on ``device`` at the call."""
+    event: object
+    """Recorded on ``stream`` at the call; held until the call's copies are queued."""
+
+
+class Transfer:
+    """A copy queued on a copy stream, and the memory it touches, held until it has ended.
+
+    Args:
+        end: the event recorded on the copy stream after the copy.
+        held: every tensor the copy reads or writes (and any other object to keep alive as long):
+            let go of once ``end`` has completed, never before.
+        on_end: called once ``end`` has completed (give a staging buffer back to its pool).
+    """
+
+    __slots__ = ("_held", "_on_end", "end")
+
+    def __init__(self, end: object, held: tuple[object, ...], on_end: Callable[[], None] | None) -> None:
+        self.end = end
+        self._held = held
+        self._on_end = on_end
+
+    def _finish(self) -> None:
+        """Let go of the memory and run ``on_end`` (once the end event has completed; once)."""
+        self._held = ()
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+
+class DeviceCopies:
+    """One copy stream per device, the copies queued on it and the memory they hold (see the
+    module docstring).
+
+    Args:
+        runtime: the device runtime; default CUDA's.
+        staging: makes the pinned memory that :meth:`download` and :meth:`upload` stage through,
+            from its size in bytes and the runtime that page-locks it: called at the first of them
+            (with its device current); None for a user that copies only between memory it has.
+    """
+
+    def __init__(
+        self,
+        runtime: DeviceRuntime | None = None,
+        *,
+        staging: Callable[[int, DeviceRuntime], StagingArea] | None = None,
+    ) -> None:
+        self.runtime: DeviceRuntime = CUDA if runtime is None else runtime
+        self._staging = staging
+        self._pieces: PinnedPieces | None = None
+        self._streams: dict[torch.device, object] = {}
+        self._in_flight: list[Transfer] = []
+        self._lock = threading.Lock()
+
+    # -- at the call, on the caller's thread ---------------------------------------------------------
+    def caller_of(self, tensor: torch.Tensor) -> CallerStream | None:
+        """:meth:`caller` on the device holding ``tensor``; None for a tensor in host memory."""
+        device = self.runtime.device_of(tensor)
+        return None if device is None else self.caller(device)
+
+    def caller(self, device: torch.device) -> CallerStream:
+        """Record an event on the calling thread's current stream on ``device``: call it on the
+        caller's thread at the call, before returning to it.
+
+        Args:
+            device: the device of the tensor the call reads or fills.
+
+        Returns:
+            The caller's stream and the event; give it to every copy made for the call.
+        """
+        device = self.runtime.resolve(device)
+        with self.runtime.using(device):
+            stream = self.runtime.current_stream(device)
+            return CallerStream(device, stream, self.runtime.record(stream))
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, caller: CallerStream) -> torch.Tensor:
+        """Device memory to return to the caller, belonging to the caller's stream (which waits for
+        the copies into it, so its later reuse there is ordered after them).
+
+        Args:
+            shape: its shape.
+            dtype: its dtype.
+            caller: from :meth:`caller`.
+
+        Returns:
+            An uninitialised tensor on ``caller.device``.
+        """
+        with self.runtime.using(caller.device):
+            return self.runtime.empty(shape, dtype, caller.device, caller.stream)
+
+    # -- copies ------------------------------------------------------------------------------------
+    def copy(
+        self,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        caller: CallerStream,
+        *,
+        hold: tuple[object, ...] = (),
+        on_end: Callable[[], None] | None = None,
+    ) -> Transfer:
+        """Queue ``destination.copy_(source)`` on the copy stream of ``caller.device``, after the
+        work the caller had queued at the call. Returns at once.
+
+        Args:
+            destination: where the bytes go (host or device memory, any strides).
+            source: where they come from.
+            caller: from :meth:`caller`, at the call this copy serves.
+            hold: more objects to keep alive until the copy has ended.
+            on_end: called once the copy has ended (by :meth:`reap`, :meth:`wait` or
+                :meth:`close`).
+
+        Returns:
+            The transfer, which holds ``destination``, ``source`` and ``hold`` until it has ended.
+        """
+        self.reap()
+        with self.runtime.using(caller.device):
+            stream = self._stream(caller.device)
+            self.runtime.wait(stream, caller.event)
+            self.runtime.copy(stream, destination, source)
+            transfer = Transfer(self.runtime.record(stream), (destination, source, *hold), on_end)
+        with self._lock:
+            self._in_flight.append(transfer)
+        return transfer
+
+    def to_device(
+        self,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        caller: CallerStream,
+        *,
+        on_end: Callable[[], None] | None = None,
+    ) -> Transfer:
+        """:meth:`copy` into device memory that the caller's stream then waits for: its work queued
+        from now on runs after the copy.
+
+        Args:
+            destination: device memory.
+            source: host (or device) memory.
+            caller: from :meth:`caller`; its stream waits for the copy's end.
+            on_end: as for :meth:`copy`.
+
+        Returns:
+            The transfer.
+        """
+        transfer = self.copy(destination, source, caller, on_end=on_end)
+        self.runtime.wait(caller.stream, transfer.end)
+        return transfer
+
+    def reap(self) -> None:
+        """Let go of every transfer that has ended (an event query each; never waits)."""
+        ended: list[Transfer] = []
+        with self._lock:
+            if not self._in_flight:
+                return
+            in_flight: list[Transfer] = []
+            for transfer in self._in_flight:
+                (ended if self.runtime.query(transfer.end) else in_flight).append(transfer)
+            self._in_flight = in_flight
+        for transfer in ended:
+            transfer._finish()
+
+    def wait(self, transfer: Transfer) -> None:
+        """Wait on this thread until ``transfer`` has ended, and let go of the transfers that have.
+
+        Args:
+            transfer: from :meth:`copy` or :meth:`to_device`.
+        """
+        self.runtime.synchronize(transfer.end)
+        self.reap()
+
+    def close(self) -> None:
+        """Wait for every transfer in flight, let go of them, and give the pinned pieces back (the
+        object can still copy afterwards: it makes new ones)."""
+        with self._lock:
+            pending = list(self._in_flight)
+        for transfer in pending:
+            self.runtime.synchronize(transfer.end)
+        self.reap()
+        pieces, self._pieces = self._pieces, None
+        if pieces is not None:
+            pieces.close()
+
+    # -- whole tensors through pinned pieces ------------------------------------------------------
+    def download(self, source: torch.Tensor, into: memoryview, caller: CallerStream) -> None:
+        """Copy a device tensor's values into host memory through the pinned pieces; returns once
+        every byte is in ``into`` (the calling thread waits, never a stream).
+
+        Args:
+            source: device memory of any strides; conjugate and negative views give their values.
+            into: host memory of the tensor's size: its values laid out contiguous.
+            caller: from :meth:`caller` at the call: the copies read ``source`` after the work
+                the caller queued before it.
+        """
+        nbytes = into.nbytes
+        if nbytes == 0:
+            return
+        with self.runtime.using(caller.device):
+            flat = self._dense_bytes(source, caller)
+            target = np.frombuffer(into, dtype=np.uint8)
+            with self._lend(nbytes) as (pieces, size):
+                in_flight: deque[tuple[Transfer, AlignedBuffer, int, int]] = deque()
+                try:
+                    for index, offset in enumerate(range(0, nbytes, size)):
+                        if len(in_flight) == len(pieces):
+                            self._empty_piece(in_flight.popleft(), target)
+                        length = min(size, nbytes - offset)
+                        piece = pieces[index % len(pieces)]
+                        transfer = self.copy(piece.view(length), flat[offset : offset + length], caller)
+                        in_flight.append((transfer, piece, offset, length))
+                    while in_flight:
+                        self._empty_piece(in_flight.popleft(), target)
+                finally:  # a piece is lent again only once its copy has ended
+                    for transfer, *_ in in_flight:
+                        self.runtime.synchronize(transfer.end)
+                    self.reap()
+
+    def upload(self, source: memoryview, destination: torch.Tensor, caller: CallerStream) -> None:
+        """Copy host bytes into a device tensor through the pinned pieces, and make the caller's
+        stream wait for them; returns once the copies have ended.
+
+        Args:
+            source: host memory: the tensor's values laid out contiguous.
+            destination: device memory of any strides (a conjugate or negative view gets the
+                values).
+            caller: from :meth:`caller` at the call: the copies write ``destination`` after the
+                work the caller queued before it, and the caller's stream waits for their end.
+        """
+        nbytes = source.nbytes
+        if nbytes == 0:
+            return
+        with self.runtime.using(caller.device):
+            direct = _dense(destination)
+            dense = destination if direct else self._temporary(destination, caller.device)
+            flat = dense.reshape(-1).view(torch.uint8)
+            host = np.frombuffer(source, dtype=np.uint8)
+            with self._lend(nbytes) as (pieces, size):
+                in_flight: deque[Transfer] = deque()
+                try:
+                    for index, offset in enumerate(range(0, nbytes, size)):
+                        if len(in_flight) == len(pieces):  # the piece's previous copy first
+                            self.wait(in_flight.popleft())
+                        length = min(size, nbytes - offset)
+                        piece = pieces[index % len(pieces)]
+                        np.copyto(piece.array(length), host[offset : offset + length])
+                        piece_copy = self.copy(flat[offset : offset + length], piece.view(length), caller)
+                        in_flight.append(piece_copy)
+                    if not direct:
+                        in_flight.append(self.copy(destination, dense, caller))
+                    self.runtime.wait(caller.stream, in_flight[-1].end)
+                finally:
+                    for transfer in in_flight:
+                        self.runtime.synchronize(transfer.end)
+                    self.reap()
+
+    def _dense_bytes(self, tensor: torch.Tensor, caller: CallerStream) -> torch.Tensor:
+        """``tensor``'s values as contiguous bytes on its device: the tensor itself, or a copy made
+        on the copy stream (after the caller's work) for strided, conjugate and negative views."""
+        if _dense(tensor):
+            return tensor.reshape(-1).view(torch.uint8)
+        dense = self._temporary(tensor, caller.device)
+        self.copy(dense, tensor, caller)
+        return dense.reshape(-1).view(torch.uint8)
+
+    def _temporary(self, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Contiguous device memory of ``like``'s shape and dtype, belonging to the copy stream
+        (every copy that touches it is held by a transfer until it has ended)."""
+        return self.runtime.empty(like.shape, like.dtype, device, self._stream(device))
+
+    def _empty_piece(self, copied: tuple[Transfer, AlignedBuffer, int, int], target: np.ndarray) -> None:
+        """Wait for a piece's copy from the device, then copy the piece to its place in ``target``."""
+        transfer, piece, offset, length = copied
+        self.wait(transfer)
+        np.copyto(target[offset : offset + length], piece.array(length))
+
+    @contextlib.contextmanager
+    def _lend(self, nbytes: int) -> Iterator[tuple[list[AlignedBuffer], int]]:
+        """Pinned pieces for one copy of ``nbytes`` (made at the first, on the device current
+        then), and their size."""
+        with self._lock:
+            if self._pieces is None:
+                assert self._staging is not None, "made without staging memory"
+                self._pieces = PinnedPieces(self._staging(PIECES * PIECE_BYTES, self.runtime), PIECE_BYTES)
+            pieces = self._pieces
+        with pieces.lend(nbytes) as lent:
+            yield lent, pieces.piece_bytes
+
+    def _stream(self, device: torch.device) -> object:
+        """The copy stream of ``device`` (made at its first copy; ``device`` is current)."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams.setdefault(device, self.runtime.new_stream(device))
+        return stream
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is its values laid out contiguous (lazily conjugated or negated
+    views keep their memory unchanged behind a flag)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+class PinnedPieces:
+    """Equal pinned buffers that copies between host and device memory are staged through, each
+    lent to one copy at a time.
+
+    Args:
+        staging: pinned memory for ``staging.capacity // piece_bytes`` pieces (its budget reserved
+            from the store's ledger); taken whole at once, and closed by :meth:`close`.
+        piece_bytes: the size of each piece.
+
+    Raises:
+        PinnedMemoryError: the memory could not be page-locked.
+    """
+
+    def __init__(self, staging: StagingArea, piece_bytes: int) -> None:
+        self._staging = staging
+        self.piece_bytes = piece_bytes
+        self._free: list[AlignedBuffer] = []
+        self._closed = False
+        self._ready = threading.Condition()
+        try:
+            for _ in range(staging.capacity // piece_bytes):
+                piece = staging.try_acquire(piece_bytes)
+                assert piece is not None  # the staging area holds exactly these
+                self._free.append(piece)
+        except BaseException:
+            self.close()
+            raise
+
+    @contextlib.contextmanager
+    def lend(self, nbytes: int) -> Iterator[list[AlignedBuffer]]:
+        """Pieces for one copy of ``nbytes``: one (waiting until one is free) and, for a copy of more
+        than one piece, a second if one is free, so that one crosses the bus while the other is
+        filled or emptied. The caller gives each back only once every copy of it has ended."""
+        with self._ready:
+            self._ready.wait_for(lambda: bool(self._free))
+            lent = [self._free.pop()]
+            if nbytes > self.piece_bytes and self._free:
+                lent.append(self._free.pop())
+        try:
+            yield lent
+        finally:
+            with self._ready:
+                self._free.extend(lent)
+                if self._closed:
+                    self._give_back()
+                self._ready.notify_all()
+
+    def close(self) -> None:
+        """Close the staging area: the free pieces are freed now, a piece still lent once it comes
+        back."""
+        with self._ready:
+            self._closed = True
+            self._give_back()
+        self._staging.close()
+
+    def _give_back(self) -> None:
+        """Release the free pieces to the staging area (under the lock)."""
+        for piece in self._free:
+            self._staging.release(piece)
+        self._free.clear()
