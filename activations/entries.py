@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..device import Transfer
 from ..spill_policy import ReadAhead, Residence, SpillPolicy
 from .layout import Capture
 
@@ -89,8 +90,8 @@ class Entry:
     """The same bytes for the store's reads and writes (a :class:`~tierstore.buffers.Lease`'s)."""
     spill: bool = True
     """Written to the store; otherwise kept in memory until autograd frees it (the plan's keep)."""
-    copied: torch.cuda.Event | None = None
-    """CUDA: the end of the device-to-host copy into ``data``."""
+    copied: Transfer | None = None
+    """CUDA: the device-to-host copy into ``data`` (its bytes are there once it has ended)."""
     used_at: float | None = None
     handles: int = 0
     unpacked: set[int] = field(default_factory=set)

@@ -18,7 +18,6 @@ import weakref
 import torch
 from torch import nn
 
-from .cuda import DeviceCopies
 from .entries import Entry, Step
 from .layout import View, capture_of, rebuild, view_of
 from .transfers import Transfers
@@ -59,8 +58,8 @@ class SavedTensorHooks:
     each entry's life.
 
     Args:
-        transfers: captures, writes and reads.
-        device: copies bytes read back to the saved tensor's CUDA device.
+        transfers: captures, writes and reads, and the copies of bytes read back to the saved
+            tensor's CUDA device.
         lock: the offloader's lock.
         stats: the offloader's counters (updated under ``lock``).
         min_bytes: smaller saved tensors stay as autograd keeps them.
@@ -70,7 +69,6 @@ class SavedTensorHooks:
     def __init__(
         self,
         transfers: Transfers,
-        device: DeviceCopies,
         lock: threading.Condition,
         stats: dict[str, float],
         *,
@@ -78,7 +76,6 @@ class SavedTensorHooks:
         keep_all: bool,
     ) -> None:
         self._transfers = transfers
-        self._device = device
         self._lock = lock
         self._stats = stats
         self._min_bytes = min_bytes
@@ -135,7 +132,7 @@ class SavedTensorHooks:
             return handle.alias
         data = self._transfers.bytes_for(entry, f"{handle.type_name} {handle.size}")
         if entry.device.type == "cuda":
-            data = self._device.to_device(data, entry.device)
+            data = self._transfers.to_device(data, entry.device)
         restored = rebuild(data, handle.dtype, view)
         with self._lock:
             entry.unpacked.add(id(handle))

@@ -39,8 +39,9 @@ profile when it changes. What is spilled, the order of the reads and how room is
 by one :class:`~tierstore.spill_policy.SpillPolicy`, which the replay follows too: the plan
 predicts what the runtime does by construction.
 
-On CUDA the pool is pinned and the copies between device and host run on a side stream
-(:mod:`.cuda`); the compute stream never waits on the host.
+On CUDA the pool is pinned (from the first save of a CUDA tensor) and the copies between device
+and host run on a copy stream of the device layer (:mod:`.cuda`, :mod:`tierstore.device`); the
+compute stream never waits on the host.
 
 :class:`ActivationOffload` puts the parts together: :mod:`.hooks` (the saved-tensor hooks and the
 lifetimes of what autograd keeps), :mod:`.transfers` (admission, writes, reads and the room they
@@ -60,9 +61,9 @@ from typing import Any, Self
 import torch
 
 from .._checks import check_arguments
+from ..device import DeviceCopies
 from ..errors import ConfigError
 from ..store import TierStore
-from .cuda import DeviceCopies
 from .entries import Step
 from .hooks import SavedTensorHooks
 from .options import ActivationOptions, Plan
@@ -149,13 +150,12 @@ class ActivationOffload:
             "plans_built": 0,
         }
         self._background = ThreadPoolExecutor(1, thread_name_prefix="tierstore-activations")
-        device = DeviceCopies(self._background)
+        self._device = DeviceCopies()
         self._transfers = Transfers(
-            store, claim, self._staging, self._lock, self._stats, self._background, device
+            store, claim, self._staging, self._lock, self._stats, self._background, self._device
         )
         self._hooks = SavedTensorHooks(
             self._transfers,
-            device,
             self._lock,
             self._stats,
             min_bytes=self.min_bytes,
@@ -261,6 +261,7 @@ class ActivationOffload:
         self.reset()
         self.synchronize()
         self._background.shutdown(wait=True)
+        self._device.close()
         self._staging.close()
         self._release_namespace()
         self._closed = True

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from ..buffers import Lease
+from ..device import DeviceCopies
 from ..errors import ConfigError, StoreClosedError
 from ..namespaces import NamespaceClaim
 from ..spill_policy import Residence, Room
 from ..staging import StagingArea
 from ..store import TierStore
-from .cuda import DeviceCopies
+from . import cuda
 from .entries import Entry, Step
 from .layout import Capture, copy_out
 
@@ -52,7 +53,7 @@ class Transfers:
         lock: the offloader's lock, notified whenever memory or I/O in flight changes.
         stats: the offloader's counters (updated under ``lock``).
         background: runs deletions and what waits on CUDA copies, off the caller's thread.
-        device: the copies between CUDA devices and staging memory.
+        device: the copies between CUDA devices and staging memory (:mod:`.cuda`).
     """
 
     def __init__(
@@ -89,7 +90,14 @@ class Transfers:
                 f"bytes ({tensor.type()} {list(tensor.shape)}); raise budget, or min_bytes above it"
             )
         stalled = time.perf_counter()
-        lease = self._lease(capture.nbytes, step)
+        if tensor.device.type == "cuda":
+            with self._device.runtime.using(tensor.device):  # where the pool's memory is pinned
+                if not self._staging.pinned:
+                    with self._lock:
+                        self._staging.pin_for_device()
+                lease = self._lease(capture.nbytes, step)
+        else:
+            lease = self._lease(capture.nbytes, step)
         waited = time.perf_counter() - stalled
         with self._lock:
             self._stats["write_stall_s"] += waited
@@ -109,7 +117,7 @@ class Transfers:
             io=lease.io,
         )
         if tensor.device.type == "cuda":
-            entry.copied = self._device.to_host(tensor, capture, lease.tensor)
+            entry.copied = cuda.to_host(self._device, tensor, capture, lease.tensor)
         else:
             copy_out(tensor, capture, lease.tensor)
         with self._lock:
@@ -119,6 +127,8 @@ class Transfers:
                 self._start_write(entry)
             else:
                 self._stats["kept_bytes"] += capture.nbytes
+                if entry.copied is not None:  # its memory held until the copy's end, no longer
+                    self._background.submit(self._device.wait, entry.copied)
         return entry
 
     def _start_write(self, entry: Entry) -> None:
@@ -132,13 +142,21 @@ class Transfers:
 
         def put() -> Future[None]:
             if copied is not None:  # CUDA: the bytes are in host memory once the copy has ended
-                copied.synchronize()
+                self._device.wait(copied)
             return self._store.put(entry.key, data, scratch=True)
 
         if copied is None:
             self._run(entry, put, self._write_done)
         else:
             self._background.submit(self._run, entry, put, self._write_done)
+
+    def to_device(self, data: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``data``, an entry's bytes in staging memory, copied to ``device`` for the calling
+        thread's current stream (which waits for the copy); the staging memory is held until the
+        copy has ended, and let go of then by the background thread."""
+        restored, transfer = cuda.to_device(self._device, data, device)
+        self._background.submit(self._device.wait, transfer)
+        return restored
 
     def _write_done(self, entry: Entry, error: BaseException | None) -> None:
         with self._lock:

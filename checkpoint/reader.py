@@ -182,7 +182,7 @@ class TieredStorageReader(TierSet, StorageReader):
                 and tuple(item.lengths) == shape
                 and tuple(target.shape) == shape
                 and target.dtype == dtype
-                and target.device.type == "cpu"
+                and target.device.type in ("cpu", "cuda")  # the store copies in order with the stream
                 and target.is_contiguous()
                 and not (target.is_conj() or target.is_neg())
             )

@@ -2,9 +2,12 @@
 
 Each item is ``put`` into the store (:class:`~tierstore.TierStore`) under ``<save id>/<n>``: the
 store copies it into its DRAM write-back cache (the config's ``cache.budget``: page-aligned, so the
-nvme backend writes it with O_DIRECT as it is; pinned where CUDA exists, so device copies are
-asynchronous DMA; kept resident, so a save does not page-fault its way through fresh memory) and
-writes it back when the cache needs room or at the save's ``flush``, checksummed and journaled.
+nvme backend writes it with O_DIRECT as it is; kept resident, so a save does not page-fault its way
+through fresh memory) and writes it back when the cache needs room or at the save's ``flush``,
+checksummed and journaled. A CUDA tensor is copied by the store's device layer
+(:mod:`tierstore.device`): on a copy stream, after the work queued on the caller's stream when it
+was put, through a few pinned pieces into the cache; the save's wait (:meth:`SaveItems.wait`)
+returns once those copies have ended.
 The cache is the budget: while it is full, a put waits for a write-back, so a save never holds
 more than the budget however large the state. An item larger than :func:`object_bytes` is cut
 into several keys, so that every key fits the cache; items smaller than ``cache.pack_below``

@@ -716,6 +716,7 @@ def test_offload_lowers_the_process_peak_rss(tmp_path: Path) -> None:
     assert spilled["peak_rss"] <= keep["peak_rss"] - moved_out // 2, (keep, spilled)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (device -> pinned pool -> tier)"
 )
