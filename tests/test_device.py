@@ -392,15 +392,20 @@ def test_a_device_copy_past_the_cache_stays_within_the_memory_budget(
     assert "large" not in store and store.memory.held() == {"cache": 0, "device copies": 2 * PIECE_BYTES}
 
 
-def test_closing_the_store_unlocks_its_pinned_pieces_once(
+def test_closing_the_store_unlocks_its_pinned_memory_once(
     sim_store: Callable[..., TierStore], sim: SimulatedDevice
 ) -> None:
     store = sim_store()
     store.put("x", sim.tensor(torch.ones(10))).result()
     assert len(sim.locked) == 1
+    area = store.staging("workload", 1 << 20, pin=True)  # pinned by the store's runtime too
+    buffer = area.try_acquire(4096)
+    assert buffer is not None and area.pinned and len(sim.locked) == 2
+    area.release(buffer)
+    area.close()
     store.close()
     gc.collect()
-    assert sim.locked == {} and sim.lock_calls == sim.unlock_calls == 1 and sim.errors == []
+    assert sim.locked == {} and sim.lock_calls == sim.unlock_calls == 2 and sim.errors == []
 
 
 @pytest.mark.parametrize(

@@ -290,7 +290,15 @@ class TierStore(Closeable):
             CapacityError: the budget does not fit beside the other workloads' reservations.
         """
         self._check_open()
-        return StagingArea(self.memory, owner, budget, pin=pin, resident=resident, pool_bytes=pool_bytes)
+        return StagingArea(
+            self.memory,
+            owner,
+            budget,
+            pin=pin,
+            resident=resident,
+            pool_bytes=pool_bytes,
+            runtime=self._device.runtime,
+        )
 
     # -- public API: asynchronous ----------------------------------------------------------------
     def put(
