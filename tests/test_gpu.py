@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -192,7 +193,9 @@ def test_a_checkpoint_of_tensors_made_on_a_side_stream_loads_bit_identical_onto_
             "large": random_values((5 << 20,), torch.float32),  # cut into several keys
         }
         save(saved, checkpoint_id="gpu", storage_writer=writer)
-        async_save(saved, checkpoint_id="gpu-async", storage_writer=writer, no_dist=True).result()
+        saving = async_save(saved, checkpoint_id="gpu-async", storage_writer=writer, no_dist=True)
+        assert isinstance(saving, Future)
+        saving.result()
     torch.cuda.synchronize()
     for name in ("gpu", "gpu-async"):
         loaded = {key: torch.zeros_like(tensor) for key, tensor in saved.items()}  # on the GPU
