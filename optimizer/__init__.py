@@ -6,7 +6,7 @@ AdamW and APOLLO share one staging engine. Both are usable on their own with a p
 
 from .adamw import OffloadedAdamW
 from .apollo import APOLLO_MINI, OffloadedAPOLLO
-from .engine import StagedOptimizer
+from .engine import StagedOptimizer, StaleMasterWeightsError
 from .partition import Piece, SubGroup, partition, partition_whole
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "OffloadedAdamW",
     "Piece",
     "StagedOptimizer",
+    "StaleMasterWeightsError",
     "SubGroup",
     "partition",
     "partition_whole",

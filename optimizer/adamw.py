@@ -1,13 +1,16 @@
 """AdamW with its fp32 state offloaded to a TierStore, staged sub-group by sub-group.
 
-The model keeps its low-precision (bf16/fp16) parameters and gradients in memory. Each sub-group's
-fp32 master weights and both Adam moments live in the store as one object (``3 x numel`` fp32:
-master | exp_avg | exp_avg_sq, and ``4 x numel`` with the running maximum of exp_avg_sq for a group
-with ``amsgrad``), and sub-groups cut parameters as ZeRO-3 does. The step's schedule
-(overflow and clipping, alternating order, read-ahead, write-back, kept sub-groups, delayed gradient
-conversion) is :class:`~tierstore.optimizer.engine.StagedOptimizer`'s; this module supplies the
-layout and one fused AdamW kernel per sub-group (each piece with its parameter's step count, so
-pieces of parameters with different counts share the call).
+The model keeps its parameters and gradients in memory. Each sub-group's state lives in the store
+as one object, rows of ``numel`` fp32 values: ``exp_avg | exp_avg_sq`` (8 bytes per parameter), with
+``max_exp_avg_sq`` after them for a group with ``amsgrad``, and the fp32 master weights before them
+for a group with low-precision (bf16/fp16) parameters (12 bytes per parameter). fp32 parameters are
+their own master weights, updated in place; in a group that mixes them with low-precision ones the
+master row is there for every piece but is neither read nor written for theirs. Sub-groups cut
+parameters as ZeRO-3 does. The step's schedule (overflow and clipping, alternating order,
+read-ahead, write-back, kept sub-groups, delayed gradient conversion) is
+:class:`~tierstore.optimizer.engine.StagedOptimizer`'s; this module supplies the layout and one
+fused AdamW kernel call per sub-group chunk (each piece with its parameter's step count, so pieces
+of parameters with different counts share the call).
 """
 
 from __future__ import annotations
@@ -24,16 +27,41 @@ from .options import CachePolicy
 from .partition import Piece, SubGroup
 
 STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-"""A sub-group's state, in object order (as named in a state dict); the last for ``amsgrad`` only."""
+"""A sub-group's state, in object order (as named in a state dict); the first for groups with
+low-precision parameters only, the last for ``amsgrad`` only."""
+
+KERNEL_KEYS: dict[str, tuple[bool | None, ...]] = {
+    "foreach": (None, False),
+    "fused": (None, True),
+    "capturable": (False,),
+    "differentiable": (False,),
+}
+"""``torch.optim.AdamW``'s implementation keys and the values this optimizer honours: its kernel is
+torch's fused AdamW (``fused=True``, what ``None`` is taken to mean); ``foreach=True`` (another
+kernel), ``fused=False``, ``capturable=True`` (CUDA graph capture) and ``differentiable=True``
+(autograd through the step) are not what it runs, and are refused."""
 
 
 class OffloadedAdamW(StagedOptimizer):
     """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) over a :class:`TierStore`.
 
-    ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad`` and ``maximize`` are torch's, as
-    constructor arguments (the defaults) or group keys. ``amsgrad`` adds a fourth of state (its
-    bytes counted against ``dram_budget`` and moved every step) and, laying the group's state out,
-    cannot change after the group is added.
+    Every option of ``torch.optim.AdamW`` is honoured or refused, as a constructor argument (the
+    defaults) or a group key: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
+    ``maximize`` and the group key ``decoupled_weight_decay`` (False: L2 weight decay added to the
+    gradient, as ``torch.optim.Adam``) are the training's; the kernel is torch's fused AdamW, the
+    arithmetic of ``torch.optim.AdamW(fused=True)`` (``fused=None`` is taken to mean it, and the
+    groups say ``fused=True``), and ``foreach=True``, ``fused=False``, ``capturable=True`` and
+    ``differentiable=True``, which ask for something else, are refused (:data:`KERNEL_KEYS`). A
+    loaded state dict's ``foreach``, ``fused``, ``capturable`` and ``differentiable`` describe its
+    saver's kernel and are not taken. ``amsgrad`` adds a fourth of state (its bytes counted against
+    ``dram_budget`` and moved every step) and, laying the group's state out, cannot change after
+    the group is added.
+
+    fp32 parameters are their own master weights (the state holds their two moments, 8 bytes per
+    parameter); low-precision ones get fp32 master weights in the state (12 bytes per parameter)
+    and receive them rounded after each step. A state dict carries ``master_param`` for the
+    low-precision parameters only (see :meth:`~tierstore.optimizer.StagedOptimizer.load_state_dict`
+    for what a loaded one must satisfy).
 
     Args:
         params: the parameters (contiguous CPU tensors, each listed once) or parameter groups, as
@@ -43,9 +71,15 @@ class OffloadedAdamW(StagedOptimizer):
         betas: the coefficients of the running averages of the gradient and its square, each in
             [0, 1).
         eps: added to the denominator for numerical stability.
-        weight_decay: the decoupled weight decay coefficient.
+        weight_decay: the weight decay coefficient (decoupled; L2 in a group with
+            ``decoupled_weight_decay=False``).
         amsgrad: keep the running maximum of the second moment (AMSGrad).
         maximize: maximize the objective instead of minimizing it.
+        foreach: torch's choice of its multi-tensor kernel: None or False (this optimizer runs
+            the fused kernel); True is refused.
+        capturable: torch's CUDA-graph-capturable step: False; True is refused.
+        differentiable: torch's autograd through the step: False; True is refused.
+        fused: torch's fused kernel, the one this optimizer runs: None or True; False is refused.
         sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
         max_grad_norm: clip the global gradient norm to this (as ``clip_grad_norm_``); None for
             no clipping.
@@ -63,8 +97,9 @@ class OffloadedAdamW(StagedOptimizer):
             torch's setting (at least one), leaving a core to the store's I/O.
 
     Raises:
-        ConfigError: an argument or group key of the wrong type or out of range (the message
-            names it), a parameter listed twice, or a ``DTensor`` parameter (FSDP2's shards).
+        ConfigError: an argument or group key of the wrong type or out of range, or asking for a
+            kernel other than torch's fused AdamW (the message names it), a parameter listed twice,
+            or a ``DTensor`` parameter (FSDP2's shards).
         BufferMismatchError: a parameter that is not a contiguous CPU tensor.
         CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
             buffer), or does not fit beside the store's other reservations.
@@ -72,6 +107,7 @@ class OffloadedAdamW(StagedOptimizer):
     """
 
     LAYOUT_KEYS = ("amsgrad",)
+    IMPLEMENTATION_KEYS = tuple(KERNEL_KEYS)
 
     def __init__(
         self,
@@ -84,6 +120,10 @@ class OffloadedAdamW(StagedOptimizer):
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         sub_group_size: int = 100_000_000,
         max_grad_norm: float | None = None,
         dram_budget: int | str | None = None,
@@ -99,9 +139,13 @@ class OffloadedAdamW(StagedOptimizer):
             "weight_decay": weight_decay,
             "amsgrad": amsgrad,
             "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": True,
         }
-        _check_flags(hyperparameters, "", ("amsgrad", "maximize"))
-        _check_hyperparameters(hyperparameters, "")
+        _check_adamw_group(hyperparameters, "")
         super().__init__(
             params,
             store,
@@ -127,15 +171,25 @@ class OffloadedAdamW(StagedOptimizer):
 
     # -- the layout and the kernel ---------------------------------------------------------------------
     def _check_group(self, group: dict[str, Any], where: str) -> None:
-        _check_flags(group, where, ("amsgrad", "maximize"))
-        _check_hyperparameters(group, where)
+        _check_adamw_group(group, where)
 
     def state_numel(self, sg: SubGroup) -> int:
         return len(self._parts(sg)) * sg.numel
 
     def _parts(self, sg: SubGroup) -> tuple[str, ...]:
-        """The parts of the sub-group's state object, in order (:data:`STATE_PARTS`)."""
-        return STATE_PARTS if self._layouts[sg.group]["amsgrad"] else STATE_PARTS[:-1]
+        """The parts of the sub-group's state object, in order (:data:`STATE_PARTS`): a master row
+        if its group has a low-precision parameter, the moments, and ``max_exp_avg_sq`` for
+        ``amsgrad``."""
+        parts = STATE_PARTS if self._layouts[sg.group]["amsgrad"] else STATE_PARTS[:-1]
+        if all(self._own_masters[number] for number in self._group_params(sg.group)):
+            return parts[1:]
+        return parts
+
+    def _entry_parts(self, param: int, group: int) -> tuple[str, ...]:
+        """The state parts of parameter ``param`` (of group ``group``) in a state dict: its group's,
+        without ``master_param`` for an fp32 parameter (its own master)."""
+        parts = self._parts(SubGroup(0, group, 0, ()))
+        return tuple(p for p in parts if p != "master_param" or not self._own_masters[param])
 
     def _rows(self, sg: SubGroup, state: torch.Tensor) -> dict[str, torch.Tensor]:
         """The sub-group's state object as one view per part."""
@@ -143,8 +197,13 @@ class OffloadedAdamW(StagedOptimizer):
         return dict(zip(parts, state.view(len(parts), sg.numel), strict=True))
 
     def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
-        master = self._rows(sg, state)["master_param"]
-        return [(piece, master[piece.offset : piece.offset + piece.length]) for piece in sg.pieces]
+        master = self._rows(sg, state).get("master_param")
+        return [
+            (piece, self._window(piece))
+            if self._own_masters[piece.param] or master is None
+            else (piece, master[piece.offset : piece.offset + piece.length])
+            for piece in sg.pieces
+        ]
 
     def _update(self, sg: SubGroup, state: torch.Tensor, coefficient: float) -> None:
         """One fused AdamW call per cache-sized chunk of the sub-group's pieces that have gradients."""
@@ -160,9 +219,16 @@ class OffloadedAdamW(StagedOptimizer):
         steps = [
             torch.tensor(float(self.param_steps[piece.param])) for piece, _ in grads
         ]  # own bias corrections
-        weights = self._updated_weights(grads, windows)
+        # An fp32 parameter's own memory is its master weights; the others' are in the state.
+        weights = [
+            self._window(piece) if self._own_masters[piece.param] else windows["master_param"][number]
+            for number, (piece, _) in enumerate(grads)
+        ]
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(  # torch.optim.AdamW(fused=True)'s arithmetic; a step count per tensor
+        # torch.optim.AdamW(fused=True)'s arithmetic (torch.optim.Adam(fused=True)'s, L2 weight
+        # decay, for decoupled_weight_decay=False); a step count per tensor
+        kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        kernel(
             weights,
             [grad for _, grad in grads],
             windows["exp_avg"],
@@ -179,54 +245,69 @@ class OffloadedAdamW(StagedOptimizer):
             grad_scale=None,
             found_inf=None,
         )
-        self._updated(grads, weights)
-
-    def _updated_weights(
-        self, grads: list[tuple[Piece, torch.Tensor]], windows: dict[str, list[torch.Tensor]]
-    ) -> list[torch.Tensor]:
-        """The weights the kernel updates in place, one per piece of ``grads``: the fp32 master
-        windows of the sub-group's state (``windows``: each state part's windows, per piece)."""
-        return windows["master_param"]
-
-    def _updated(self, grads: list[tuple[Piece, torch.Tensor]], weights: list[torch.Tensor]) -> None:
-        """After the kernel: the updated weights into the model's parameters."""
         for (piece, _), updated in zip(grads, weights, strict=True):
-            self._copy_to_model(piece, updated)
+            if not self._own_masters[piece.param]:  # fp32 parameters were updated in place
+                self._copy_to_model(piece, updated)
 
     # -- state plumbing -----------------------------------------------------------------------------
     def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
-        """Lay out a sub-group's state from per-parameter tensors (or fresh: master = parameter)."""
+        """Lay out a sub-group's state from per-parameter tensors (or fresh: master = parameter).
+        An fp32 parameter's window of a master row is unused: zeros, whatever its entry holds."""
         for part, row in self._rows(sg, state).items():
             for piece in sg.pieces:
                 window = row[piece.offset : piece.offset + piece.length]
                 source = slice(piece.param_offset, piece.param_offset + piece.length)
                 entry = None if saved is None else saved.get(piece.param, saved.get(str(piece.param)))
-                if entry is not None and part in entry:
-                    window.copy_(entry[part].detach().reshape(-1)[source])
+                if part == "master_param" and self._own_masters[piece.param]:
+                    window.zero_()
+                elif entry is not None and part in entry:
+                    window.copy_(self._local(entry[part]).detach().reshape(-1)[source])
                 elif part == "master_param":
-                    window.copy_(self.params[piece.param].detach().reshape(-1)[source])
+                    window.copy_(self._window(piece))
                 else:
                     window.zero_()
 
     def _state_entries(self) -> list[dict[str, Any]]:
-        """Per parameter, its state parts (:data:`STATE_PARTS`: ``torch.optim.AdamW``'s, and the fp32
-        ``master_param``) as whole fp32 tensors of its shape."""
-        gathered: list[dict[str, Any]] = [{} for _ in self.params]
+        """Per parameter, its state parts (``torch.optim.AdamW``'s, and the fp32 ``master_param`` of
+        a low-precision parameter) as whole fp32 tensors of its shape."""
+        gathered: list[dict[str, Any]] = [
+            {
+                part: torch.empty(self._local(param).shape, dtype=torch.float32)
+                for part in self._entry_parts(number, group)
+            }
+            for number, (param, group) in enumerate(zip(self.params, self._param_groups_of(), strict=True))
+        ]
         for sg in self.subgroups:
             for part, row in self._rows(sg, self.stager.read(sg.index)).items():
                 for piece in sg.pieces:
                     whole = gathered[piece.param].get(part)
-                    if whole is None:
-                        shape = self.params[piece.param].shape
-                        whole = gathered[piece.param][part] = torch.empty(shape, dtype=torch.float32)
-                    whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
-                        row[piece.offset : piece.offset + piece.length]
-                    )
+                    if whole is not None:
+                        whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
+                            row[piece.offset : piece.offset + piece.length]
+                        )
         return gathered
 
 
+def _check_adamw_group(group: dict[str, Any], where: str) -> None:
+    """An AdamW group's keys (the defaults, or a parameter group's): a :class:`ConfigError` naming
+    the key for a bad one or a kernel this optimizer does not run; ``fused`` is set to True (the
+    kernel it runs)."""
+    _check_flags(group, where, ("amsgrad", "maximize", "decoupled_weight_decay"))
+    _check_hyperparameters(group, where)
+    for key, honoured in KERNEL_KEYS.items():
+        value = group.get(key)
+        if not (value is None or isinstance(value, bool)) or value not in honoured:
+            allowed = " or ".join(repr(v) for v in honoured)
+            raise ConfigError(
+                f"{where}{key}: the offloaded AdamW runs torch's fused AdamW kernel on the CPU "
+                f"(torch.optim.AdamW(fused=True)'s arithmetic) and honours {key}={allowed} only, got "
+                f"{value!r}"
+            )
+    group["fused"] = True
+
+
 def _check_flags(group: dict[str, Any], where: str, names: tuple[str, ...]) -> None:
-    """Boolean hyper-parameters (``amsgrad``, ``maximize``): a :class:`ConfigError` naming the key."""
+    """Boolean hyper-parameters (``amsgrad``, ``maximize``...): a :class:`ConfigError` naming the key."""
     for name in names:
         if not isinstance(group.get(name), bool):
             raise ConfigError(f"{where}{name}: must be True or False, got {group.get(name)!r}")

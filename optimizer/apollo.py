@@ -5,14 +5,15 @@ by a random matrix ``P`` to ``R`` (m x r or r x n), the moments are of ``R``, an
 ``G`` scaled by how much Adam would have rescaled ``R`` (per channel, or one factor per tensor),
 with Fira's norm-growth limiter. ``P`` comes from a seed, refreshed every ``update_proj_gap`` steps,
 so it is regenerated, never stored. Rank 1 with tensor scaling (APOLLO-Mini) keeps 2r + 1 values per
-matrix beside the master weights: about 4 bytes per parameter to read and write per step, where
-AdamW moves 12. Parameters of groups without ``rank``, and any that is not a matrix, get the
-reference's AdamW.
+matrix beside the master weights: about 4 bytes per parameter to read and write per step for a
+low-precision model, where AdamW moves 12. Parameters of groups without ``rank``, and any that is
+not a matrix, get the reference's AdamW.
 
 The arithmetic is ``apollo_torch.APOLLOAdamW``'s (PyPI ``apollo-torch``, the official
 implementation), operation for operation, with its hyper-parameters, groups, seeds and refresh rule;
 the tests hold this to it. Sub-groups hold whole parameters (APOLLO projects whole matrices), laid
-out per parameter ``master | exp_avg | exp_avg_sq | scaled-gradient norm``.
+out per parameter ``master | exp_avg | exp_avg_sq | scaled-gradient norm``; an fp32 parameter is its
+own master weights, updated in place, and its state starts at ``exp_avg``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ class _Slot:
     """Low-rank ``R``'s shape for an APOLLO matrix, the parameter's for AdamW."""
     side: Literal["left", "right"] | None
     """Which side ``P`` multiplies ``G`` from; None: the parameter gets AdamW."""
+    master: bool
+    """Whether the state holds the parameter's fp32 master weights (False: the parameter is fp32,
+    its own master)."""
+
+    @property
+    def master_numel(self) -> int:
+        return self.piece.length if self.master else 0
 
     @property
     def moment_numel(self) -> int:
@@ -73,7 +81,7 @@ class _Slot:
 
     @property
     def numel(self) -> int:
-        return self.piece.length + 2 * self.moment_numel + (self.side is not None)
+        return self.master_numel + 2 * self.moment_numel + (self.side is not None)
 
 
 class OffloadedAPOLLO(StagedOptimizer):
@@ -86,7 +94,9 @@ class OffloadedAPOLLO(StagedOptimizer):
     scale_type="tensor"`` (the paper uses ``scale=128``; :data:`APOLLO_MINI`). ``max_grad_norm``,
     ``grad_scale`` and overflow skipping are the engine's, as for AdamW. ``maximize`` and
     ``amsgrad``, which ``apollo_torch`` does not have, are refused as group keys; ``rank`` and
-    ``proj_type`` lay a group's state out, so they cannot change after the group is added.
+    ``proj_type`` lay a group's state out, so they cannot change after the group is added. As for
+    :class:`OffloadedAdamW`, an fp32 parameter is its own master weights (no ``master_param`` in
+    its state) and a low-precision one has fp32 master weights in the state.
 
     Args:
         params: the parameters (contiguous CPU tensors, each listed once) or parameter groups
@@ -188,20 +198,18 @@ class OffloadedAPOLLO(StagedOptimizer):
 
     # -- checkpoints --------------------------------------------------------------------------------
     def _state_entries(self) -> list[dict[str, Any]]:
-        """``exp_avg`` and ``exp_avg_sq`` (low-rank for APOLLO matrices) and ``master_param``, and
-        for APOLLO matrices the projection ``seed`` and, once set, ``scaled_grad`` (the limiter's
-        last norm)."""
+        """``exp_avg`` and ``exp_avg_sq`` (low-rank for APOLLO matrices), ``master_param`` for a
+        low-precision parameter, and for APOLLO matrices the projection ``seed`` and, once set,
+        ``scaled_grad`` (the limiter's last norm)."""
         entries: list[dict[str, Any]] = [{} for _ in self.params]
         for sg in self.subgroups:
             blob = self.stager.read(sg.index)
             for slot in self._layout(sg):
                 i = slot.piece.param
                 master, exp_avg, exp_avg_sq, scaled = self._views(slot, blob)
-                entries[i] = {
-                    "exp_avg": exp_avg.clone(),
-                    "exp_avg_sq": exp_avg_sq.clone(),
-                    "master_param": master.clone(),
-                }
+                entries[i] = {"exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone()}
+                if slot.master:
+                    entries[i]["master_param"] = master.clone()
                 if scaled is not None:
                     entries[i]["seed"] = self.seeds[i]
                     if self.param_steps[i] > 0 and not self.disable_nl:
@@ -265,7 +273,7 @@ class OffloadedAPOLLO(StagedOptimizer):
                             f"param_groups.{sg.group}.scale_type: 'channel' scaling of a {rows}x{columns} "
                             f"matrix needs proj_type 'std' (got {group['proj_type']!r})"
                         )
-                slots.append(_Slot(piece, offset, shape, moment, side))
+                slots.append(_Slot(piece, offset, shape, moment, side, not self._own_masters[piece.param]))
                 offset += slots[-1].numel
             self._slots[sg] = slots
         return self._slots[sg]
@@ -273,9 +281,11 @@ class OffloadedAPOLLO(StagedOptimizer):
     def _views(
         self, slot: _Slot, state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Master weights, both moments and (APOLLO only) the limiter's norm, as views of ``state``."""
-        start, n, k = slot.offset, slot.piece.length, slot.moment_numel
-        master = state[start : start + n].view(slot.shape)
+        """Master weights (of ``state``, or the parameter itself if it is its own master), both
+        moments and (APOLLO only) the limiter's norm, as views of ``state``."""
+        start, n, k = slot.offset, slot.master_numel, slot.moment_numel
+        weights = state[start : start + n] if slot.master else self._window(slot.piece)
+        master = weights.view(slot.shape)
         exp_avg = state[start + n : start + n + k].view(slot.moment_shape)
         exp_avg_sq = state[start + n + k : start + n + 2 * k].view(slot.moment_shape)
         scaled = None if slot.side is None else state[start + n + 2 * k]
@@ -289,10 +299,11 @@ class OffloadedAPOLLO(StagedOptimizer):
             i = slot.piece.param
             entry = None if saved is None else saved.get(i, saved.get(str(i)))
             master, exp_avg, exp_avg_sq, scaled = self._views(slot, state)
-            weights = (
-                self.params[i] if entry is None or "master_param" not in entry else entry["master_param"]
-            )
-            master.copy_(weights.detach().reshape(slot.shape))
+            if slot.master:
+                weights = (
+                    self.params[i] if entry is None or "master_param" not in entry else entry["master_param"]
+                )
+                master.copy_(weights.detach().reshape(slot.shape))
             for part, name in ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq"), (scaled, "scaled_grad")):
                 if part is None:
                     continue
@@ -308,7 +319,8 @@ class OffloadedAPOLLO(StagedOptimizer):
             slot = slots[piece.param]
             master, exp_avg, exp_avg_sq, scaled = self._views(slot, state)
             self._apollo_adamw(group, slot, grad.view(slot.shape), master, exp_avg, exp_avg_sq, scaled)
-            self._copy_to_model(piece, master.view(-1))
+            if slot.master:  # an fp32 parameter was updated in place
+                self._copy_to_model(piece, master.view(-1))
 
     def _apollo_adamw(
         self,

@@ -18,6 +18,13 @@ for every optimizer:
    parameters: a cache-sized piece at a time for an element-wise kernel (AdamW), whole parameters
    for one that needs them (APOLLO's projections). No fp32 gradient is ever written to storage;
 4. checkpoints the sub-group objects and the step counts into one HDF5 file.
+
+Master weights: a low-precision (bf16, fp16) parameter's fp32 master weights are part of its
+sub-group's state, and the model receives them rounded after each update. An fp32 parameter is
+its own master: the kernel updates the parameter in place and the state holds no copy of it, so
+weights the model is given outside the optimizer (``model.load_state_dict``) are the ones the next
+step updates, as with torch's optimizers. Whether a parameter is fp32 is read when its group is
+added and lays out its state, so it cannot change afterwards.
 """
 
 from __future__ import annotations
@@ -46,6 +53,34 @@ from .staging import FP32, SubGroupStager, pass_order
 GRADIENT_CHUNK = 1 << 19
 """fp32 elements converted at a time for the norm and for element-wise kernels (2 MiB: sized so
 that, with the state it is combined with, it stays in a CPU's cache)."""
+
+
+class StaleMasterWeightsError(BufferMismatchError):
+    """A state dict's or checkpoint's fp32 master weights (``master_param``) that their
+    low-precision parameter no longer rounds from: the model's weights changed after the master
+    weights were saved (another optimizer trained on, carrying the entry along unchanged, or the
+    model's weights were loaded after the optimizer's). Using them would silently revert the
+    model's weights at the next step. The message names the parameters and what to do: load the
+    model's weights that belong to the optimizer's state first, or drop ``master_param`` from the
+    entries to take the parameters as master weights."""
+
+
+def stale_masters_error(
+    source: str, params: list[int], shapes: list[tuple[int, ...]]
+) -> StaleMasterWeightsError:
+    """The :class:`StaleMasterWeightsError` for ``params`` (their numbers and shapes), whose
+    master weights in ``source`` their parameters do not round from."""
+    named = ", ".join(
+        f"{number} (shape {shape})" for number, shape in zip(params[:5], shapes[:5], strict=True)
+    )
+    more = f" and {len(params) - 5} more" if len(params) > 5 else ""
+    return StaleMasterWeightsError(
+        f"{source}: the master_param of parameter {named}{more} is stale: the model's weights do not "
+        "round from it (they changed after it was saved, e.g. trained on by another optimizer that "
+        "carried master_param along, or loaded after the optimizer's state), and the next step would "
+        "revert them to it. Load the model's weights that belong to this state first, or drop "
+        "'master_param' from the state entries to take the model's current weights as master weights"
+    )
 
 
 class StagedOptimizer(torch.optim.Optimizer):
@@ -98,6 +133,11 @@ class StagedOptimizer(torch.optim.Optimizer):
     LAYOUT_KEYS: ClassVar[tuple[str, ...]] = ()
     """Group keys the layout of a group's state depends on."""
 
+    IMPLEMENTATION_KEYS: ClassVar[tuple[str, ...]] = ()
+    """Group keys that name the kernel rather than the training (torch's ``foreach``, ``fused``...):
+    a loaded state dict or snapshot describes its saver's kernel with them, so their values are not
+    taken from it; each group keeps this optimizer's own."""
+
     SHARDED_PARAMETERS: ClassVar[str | None] = (
         "its state is laid out over whole parameters; for FSDP2's fully_shard use "
         "tierstore.integrations.fsdp.FSDPOffloadedAdamW, which stages each rank's local shards"
@@ -128,6 +168,9 @@ class StagedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"compute_threads: must be None or an integer >= 1, got {compute_threads!r}")
         self._layouts: list[dict[str, Any]] = []
         """Per group, its :attr:`LAYOUT_KEYS` as they were when it was added."""
+        self._own_masters: list[bool] = []
+        """Per parameter (in :attr:`params` order), whether it is fp32 and so its own master
+        weights (none in the state), as it was when its group was added."""
         super().__init__(params, defaults)  # add_param_group per group
         self.compute_threads = compute_threads
         self.store = store
@@ -187,7 +230,8 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     @abstractmethod
     def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
-        """The master weights of each piece, as views into ``state``."""
+        """The master weights of each piece: views into ``state``, or into the parameter itself
+        (:meth:`_window`) for a parameter that is its own master."""
 
     @abstractmethod
     def _state_entries(self) -> list[dict[str, Any]]:
@@ -197,8 +241,8 @@ class StagedOptimizer(torch.optim.Optimizer):
     @abstractmethod
     def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
         """Refuse a state dict's per-parameter entries (None: the parameter has none) that do not
-        fit this optimizer's parameters, with a :class:`BufferMismatchError`, before anything is
-        restored."""
+        fit this optimizer's parameters (their shapes), with a :class:`BufferMismatchError`, before
+        anything is restored."""
 
     def _restore_entries(self, entries: list[dict[str, Any] | None]) -> None:
         """Take back what a state dict's entries hold beside the state objects and step counts."""
@@ -254,6 +298,7 @@ class StagedOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self._layouts.append({key: group.get(key) for key in self.LAYOUT_KEYS})
+        self._own_masters.extend(self._is_own_master(param) for param in group["params"])
         if staged:
             self._add_subgroups(number)
 
@@ -282,8 +327,9 @@ class StagedOptimizer(torch.optim.Optimizer):
             The closure's loss, or None without a closure.
 
         Raises:
-            ConfigError: ``grad_scale`` is not positive, or a group's :attr:`LAYOUT_KEYS` changed
-                since it was added.
+            ConfigError: ``grad_scale`` is not positive, a group's hyper-parameter is invalid
+                (the message names it), a group's :attr:`LAYOUT_KEYS` changed since it was added,
+                or a parameter became fp32 or stopped being fp32 since then.
             BufferMismatchError: a sparse gradient (``nn.Embedding(sparse=True)``); the message
                 names the parameter.
             StoreClosedError: the optimizer is closed.
@@ -291,7 +337,10 @@ class StagedOptimizer(torch.optim.Optimizer):
         self._check_open()
         if not grad_scale > 0.0:
             raise ConfigError(f"grad_scale must be a positive number, got {grad_scale}")
+        for number, group in enumerate(self.param_groups):
+            self._check_group(group, f"param_groups.{number}.")
         self._check_layouts(self.param_groups, "param_groups", ConfigError)
+        self._check_dtypes()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -338,7 +387,8 @@ class StagedOptimizer(torch.optim.Optimizer):
 
         Returns:
             ``state``: per parameter index its ``step`` (its own count) and its state as whole
-            fp32 tensors of its shape; ``param_groups``: the groups' hyper-parameters with their
+            fp32 tensors of its shape (``master_param`` only for a low-precision parameter: an fp32
+            one is its own master); ``param_groups``: the groups' hyper-parameters with their
             parameters' indices; ``step_count`` and ``skipped_steps``: the optimizer's counts.
 
         Raises:
@@ -362,20 +412,31 @@ class StagedOptimizer(torch.optim.Optimizer):
 
         Each parameter's ``step`` is its own count (a parameter without an entry has taken none, as
         in torch); dicts saved before per-parameter counts hold the global count in every entry.
+        The model's weights are the parameters' weights: an fp32 parameter is its own master (a
+        ``master_param`` in its entry is not used), and a low-precision one takes its entry's
+        ``master_param`` only if the parameter rounds from it (else a
+        :class:`StaleMasterWeightsError`), or, without one, its own weights as master weights. So
+        load the model's weights first, as for torch's optimizers. The groups take the dict's
+        hyper-parameters, except the :attr:`IMPLEMENTATION_KEYS`.
 
         Args:
-            state_dict: a state dict of an optimizer with the same parameters and state layout.
+            state_dict: a state dict of an optimizer with the same parameters and state layout
+                (this optimizer's, or torch's AdamW's).
 
         Raises:
             BufferMismatchError: the dict's groups, parameters or state shapes do not match this
                 optimizer's, or a group's :attr:`LAYOUT_KEYS` differ; nothing is restored.
+            StaleMasterWeightsError: a low-precision parameter does not round from its entry's
+                ``master_param``; nothing is restored.
             StoreClosedError: the optimizer is closed.
         """
         self._check_open()
-        self._restore_groups(state_dict["param_groups"])
         state = state_dict["state"]
         entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
+        self._check_groups(state_dict["param_groups"])
         self._check_entries(entries)
+        self._check_masters(entries)
+        self._take_groups(state_dict["param_groups"])
         self.param_steps = [0 if entry is None else int(entry.get("step", 0)) for entry in entries]
         self._restore_entries(entries)
         self.step_count = int(state_dict.get("step_count", max(self.param_steps, default=0)))
@@ -387,13 +448,14 @@ class StagedOptimizer(torch.optim.Optimizer):
         """The fp32 master weights.
 
         Returns:
-            One fp32 tensor per parameter, of its shape (read from DRAM or the store).
+            One fp32 tensor per parameter, of its shape (read from DRAM or the store; a copy of
+            the parameter for an fp32 one, its own master).
 
         Raises:
             StoreClosedError: the optimizer is closed.
         """
         self._check_open()
-        masters = [torch.empty(p.shape, dtype=torch.float32) for p in self.params]
+        masters = [torch.empty(self._local(p).shape, dtype=torch.float32) for p in self.params]
         for sg in self.subgroups:
             for piece, values in self._master_views(sg, self.stager.read(sg.index)):
                 masters[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
@@ -418,23 +480,27 @@ class StagedOptimizer(torch.optim.Optimizer):
             "param_steps": self.param_steps,
             "skipped_steps": self.skipped_steps,
             "subgroups": [sg.numel for sg in self.subgroups],
+            "own_masters": self._own_masters,
             "param_groups": self._saved_groups(),
             **self._snapshot_metadata(),
         }
         export_hdf5(self.store, path, [self.stager.key(sg.index) for sg in self.subgroups], metadata)
 
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
-        """Restore a :meth:`save_snapshot`, and copy the restored master weights into the model.
+        """Restore a :meth:`save_snapshot`, and copy the restored master weights of low-precision
+        parameters into the model. An fp32 parameter is its own master: the snapshot holds none of
+        its weights, which are the model's to restore (``model.load_state_dict``).
 
         A snapshot from before per-parameter step counts gives every parameter the global count.
 
         Args:
             path: an HDF5 file written by :meth:`save_snapshot` of an optimizer with the same
-                parameters, ``sub_group_size`` and namespace.
+                parameters (of the same dtypes), ``sub_group_size`` and namespace.
 
         Raises:
-            BufferMismatchError: the snapshot's sub-groups, layout, step counts or keys do not
-                match this optimizer's.
+            BufferMismatchError: the snapshot's sub-groups, layout (fp32 master weights held for
+                parameters that are fp32 here, or none for ones that are not), step counts or keys
+                do not match this optimizer's; nothing is restored.
             StoreClosedError: the optimizer is closed.
         """
         self._check_open()
@@ -442,6 +508,8 @@ class StagedOptimizer(torch.optim.Optimizer):
             metadata = snapshot.metadata
             if metadata.get("subgroups") != [sg.numel for sg in self.subgroups]:
                 raise BufferMismatchError(f"{path}: its sub-groups differ from this optimizer's")
+            # A snapshot without the entry holds master weights for every parameter.
+            self._check_own_masters(metadata.get("own_masters", [False] * len(self.params)), path)
             self._check_layouts(metadata["param_groups"], f"{path}: param_groups", BufferMismatchError)
             step_count = int(metadata["step_count"])
             param_steps = [int(n) for n in metadata.get("param_steps", [step_count] * len(self.params))]
@@ -461,15 +529,17 @@ class StagedOptimizer(torch.optim.Optimizer):
             self.stager.drop_resident()
             for key, tensor in snapshot.items():
                 self.store.put(key, tensor).result()
-        for group, saved in zip(self.param_groups, metadata["param_groups"], strict=True):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self._take_groups(
+            [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in metadata["param_groups"]]
+        )
         self.step_count = step_count
         self.param_steps = param_steps
         self.skipped_steps = int(metadata["skipped_steps"])
         self._restore_snapshot_metadata(path, metadata)
         for sg in self.subgroups:  # the model follows the restored master weights
             for piece, values in self._master_views(sg, self.stager.read(sg.index)):
-                self._copy_to_model(piece, values)
+                if not self._own_masters[piece.param]:
+                    self._copy_to_model(piece, values)
 
     # -- for the optimizers -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -488,11 +558,86 @@ class StagedOptimizer(torch.optim.Optimizer):
                         "with the new value instead)"
                     )
 
+    def _check_dtypes(self) -> None:
+        """A :class:`ConfigError` for a parameter that became fp32, or stopped being fp32, since its
+        group was added: whether it is its own master lays out its state."""
+        for number, (param, own) in enumerate(zip(self.params, self._own_masters, strict=True)):
+            if self._is_own_master(param) != own:
+                raise ConfigError(
+                    f"parameter {number} (shape {tuple(param.shape)}) is {self._local(param).dtype} now and "
+                    f"was {'fp32' if own else 'of a lower precision'} when its group was added: its state is "
+                    "laid out for that (an fp32 parameter is its own master weights, a low-precision one "
+                    "has fp32 master weights in the state); build the optimizer after converting the model"
+                )
+
+    def _check_own_masters(self, saved: list[bool], source: str | os.PathLike[str]) -> None:
+        """A :class:`BufferMismatchError` if a snapshot's parameters were their own masters (fp32)
+        where this optimizer's are not, or the reverse: their states are laid out differently."""
+        differ = [n for n, (was, now) in enumerate(zip(saved, self._own_masters, strict=False)) if was != now]
+        if len(saved) != len(self.params) or differ:
+            raise BufferMismatchError(
+                f"{source}: its state is laid out for parameters of other dtypes: parameters {differ[:5]} "
+                "were fp32 (their own master weights, none in the state) where they are low-precision "
+                "here (fp32 master weights in the state), or the reverse; load it into an optimizer over "
+                "parameters of the dtypes it was saved with"
+            )
+
+    def _check_masters(self, entries: list[dict[str, Any] | None]) -> None:
+        """A :class:`StaleMasterWeightsError` for a low-precision parameter that does not round
+        from its entry's ``master_param`` (an fp32 parameter's is not used, so not checked)."""
+        stale = []
+        for number, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
+            if entry is None or "master_param" not in entry or self._own_masters[number]:
+                continue
+            weights = self._local(param).detach()
+            master = self._local(entry["master_param"]).detach()
+            if not _same_bits(master.to(weights.dtype), weights):
+                stale.append(number)
+        if stale:
+            raise stale_masters_error("the state dict", stale, [tuple(self.params[n].shape) for n in stale])
+
+    def _stale_masters(self) -> list[int]:
+        """The low-precision parameters that do not round from their master weights in the state
+        (read from DRAM or the store)."""
+        stale: set[int] = set()
+        for sg in self.subgroups:
+            if all(self._own_masters[piece.param] for piece in sg.pieces):
+                continue  # no master weights in its state: nothing to read
+            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+                if not self._own_masters[piece.param] and not _same_bits(
+                    values.to(self._window(piece).dtype), self._window(piece)
+                ):
+                    stale.add(piece.param)
+        return sorted(stale)
+
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a parameter (or of a tensor shaped like one) the optimizer steps: the whole
+        tensor here."""
+        return tensor
+
+    def _window(self, piece: Piece) -> torch.Tensor:
+        """The piece's elements of its parameter, flat (a view: writes update the model)."""
+        flat = self._local(self.params[piece.param].data).view(-1)
+        return flat[piece.param_offset : piece.param_offset + piece.length]
+
+    def _is_own_master(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is fp32, so its own master weights."""
+        return self._local(param).dtype == torch.float32
+
+    def _param_groups_of(self) -> list[int]:
+        """Per parameter (in :attr:`params` order), the number of its group."""
+        return [number for number, group in enumerate(self.param_groups) for _ in group["params"]]
+
+    def _group_params(self, group: int) -> range:
+        """The numbers (in :attr:`params`) of the parameters of group ``group``."""
+        start = sum(len(g["params"]) for g in self.param_groups[:group])
+        return range(start, start + len(self.param_groups[group]["params"]))
+
     def _partition(self, first_group: int) -> list[SubGroup]:
         """The sub-groups of the groups from ``first_group`` on, numbered after the existing ones."""
         index = {id(p): i for i, p in enumerate(self.params)}
         sizes = [
-            [(index[id(p)], p.numel()) for p in group["params"]] if number >= first_group else []
+            [(index[id(p)], self._local(p).numel()) for p in group["params"]] if number >= first_group else []
             for number, group in enumerate(self.param_groups)
         ]
         cut = (partition_whole if self.whole_params else partition)(sizes, self.sub_group_size)
@@ -518,6 +663,7 @@ class StagedOptimizer(torch.optim.Optimizer):
             self._write_all(None, added)
         except BaseException:
             del self.params[first:]
+            del self._own_masters[first:]
             self.param_groups.pop()
             self._layouts.pop()
             raise
@@ -588,7 +734,7 @@ class StagedOptimizer(torch.optim.Optimizer):
         for piece in sg.pieces:
             grad = self.params[piece.param].grad
             if grad is not None:
-                yield piece, grad.view(-1)
+                yield piece, self._local(grad).view(-1)
 
     def _scaled(
         self, chunk: list[tuple[Piece, torch.Tensor]], used: int, coefficient: float
@@ -599,8 +745,7 @@ class StagedOptimizer(torch.optim.Optimizer):
 
     def _copy_to_model(self, piece: Piece, master: torch.Tensor) -> None:
         """A piece's new master weights into the model's (low-precision) parameter."""
-        target = self.params[piece.param].data.view(-1)
-        target[piece.param_offset : piece.param_offset + piece.length].copy_(master)
+        self._window(piece).copy_(master)
 
     def _gradient_coefficient(self, grad_scale: float) -> float | None:
         """1/grad_scale times the clipping factor, or None if the gradients overflowed."""
@@ -638,15 +783,27 @@ class StagedOptimizer(torch.optim.Optimizer):
         """The groups' hyper-parameters (no parameters), as checkpoints carry them."""
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
 
-    def _restore_groups(self, groups: list[dict[str, Any]]) -> None:
-        """Take back a state dict's groups, which must match this optimizer's."""
+    def _check_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Refuse a state dict's groups that do not match this optimizer's (their number, their
+        parameters' counts, their :attr:`LAYOUT_KEYS`) with a :class:`BufferMismatchError`."""
         if len(groups) != len(self.param_groups) or any(
             len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups, strict=True)
         ):
             raise BufferMismatchError("the state dict's parameter groups do not match this optimizer's")
         self._check_layouts(groups, "the state dict's param_groups", BufferMismatchError)
+
+    def _restore_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Take back a state dict's groups, which must match this optimizer's."""
+        self._check_groups(groups)
+        self._take_groups(groups)
+
+    def _take_groups(self, groups: list[dict[str, Any]]) -> None:
+        """The groups' hyper-parameters from saved ones (a state dict's or a snapshot's), except
+        their ``params`` and :attr:`IMPLEMENTATION_KEYS`."""
         for group, saved in zip(self.param_groups, groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            group.update(
+                {k: v for k, v in saved.items() if k != "params" and k not in self.IMPLEMENTATION_KEYS}
+            )
 
     def _state_dict_groups(self) -> list[dict[str, Any]]:
         """``torch.optim``'s ``param_groups`` entry: hyper-parameters and parameter indices."""
@@ -662,6 +819,14 @@ def _is_dtensor(param: torch.Tensor) -> bool:
     """Whether ``param`` is a ``torch.distributed.tensor.DTensor`` (without importing
     torch.distributed where it is absent)."""
     return type(param).__name__ == "DTensor" and type(param).__module__.startswith("torch.distributed")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (NaNs and signed zeros
+    included)."""
+    return a.shape == b.shape and torch.equal(
+        a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
+    )
 
 
 def is_real(value: object) -> bool:

@@ -226,15 +226,16 @@ def test_a_restore_with_another_rank_is_refused(tmp_path: Path) -> None:
 
 
 def test_apollo_mini_moves_a_third_of_adamws_bytes(tmp_path: Path) -> None:
+    """A bf16 model: both keep fp32 master weights in the state."""
     shapes = [(256, 256), (256, 1024), (1024, 256), (256,)]
 
     def bytes_per_step(make: Any) -> int:
         with make_store(tmp_path, "dram") as store:
-            params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+            params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in shapes]
             optimizer = make(params, store)
             tier = store.tiers[0]
             for param in params:
-                param.grad = torch.randn(param.shape)
+                param.grad = torch.randn(param.shape).bfloat16()
             optimizer.step()
             optimizer.stager.wait_writes()  # the last write-backs run on past the step
             before = tier.bytes_read + tier.bytes_written
@@ -305,3 +306,52 @@ def test_a_group_added_after_construction_trains_as_one_given_at_construction(tm
         grown.param_groups[0]["rank"] = 2  # the state holds rank-1 moments
         with pytest.raises(ConfigError, match=r"param_groups\.0\.rank"):
             grown.step()
+
+
+def test_fp32_parameters_are_their_own_master_weights(tmp_path: Path) -> None:
+    """An fp32 model's state holds no copy of its weights (no master_param, APOLLO-Mini's state
+    the low-rank moments and limiter norms only): weights the model is given outside the
+    optimizer (model.load_state_dict) are the ones the next step updates, as in apollo_torch,
+    instead of being reverted to a stored master."""
+    reference_class = reference_optimizer()
+    torch.manual_seed(1)
+    model = [torch.nn.Parameter(torch.randn(shape)) for shape in MATRICES + VECTORS]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in model]
+    with make_store(tmp_path, "dram") as store:
+        optimizer = OffloadedAPOLLO(groups(model, MINI), store, lr=1e-2, sub_group_size=500)
+        expected = reference_class(groups(reference, MINI), lr=1e-2)
+        rank1 = sum(r + c + 1 for r, c in MATRICES)  # per matrix (r x 1 or 1 x c) moments, one norm
+        moments = sum(2 * torch.Size(shape).numel() for shape in VECTORS)
+        assert sum(optimizer.state_numel(sg) for sg in optimizer.subgroups) <= 2 * rank1 + moments
+        for step in range(6):
+            if step == 3:
+                with torch.no_grad():
+                    for param, twin in zip(model, reference, strict=True):
+                        param.add_(1.0)
+                        twin.add_(1.0)
+            for param, twin in zip(model, reference, strict=True):
+                param.grad = torch.randn(param.shape)
+                twin.grad = param.grad.clone()
+            optimizer.step()
+            expected.step()
+        for got, want in zip(model, reference, strict=True):
+            assert relative_error(got, want) <= 1e-5
+        assert all("master_param" not in entry for entry in optimizer.state_dict()["state"].values())
+
+
+def test_stale_master_weights_of_a_bf16_model_are_refused(tmp_path: Path) -> None:
+    """A state dict whose master_param a bf16 parameter no longer rounds from (the model's weights
+    changed after it was saved): a StaleMasterWeightsError, nothing restored."""
+    from tierstore.optimizer import StaleMasterWeightsError
+
+    with make_store(tmp_path, "dram") as store:
+        params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in MATRICES + VECTORS]
+        optimizer = OffloadedAPOLLO(groups(params, MINI), store, sub_group_size=1000)
+        saved = optimizer.state_dict()
+        with torch.no_grad():
+            params[1].add_(1.0)
+        with pytest.raises(StaleMasterWeightsError, match=r"parameter 1 \(shape \(13, 40\)\)"):
+            optimizer.load_state_dict(saved)
+        del saved["state"][1]["master_param"]
+        optimizer.load_state_dict(saved)
+        assert torch.equal(optimizer.master_params()[1], params[1].detach().float())

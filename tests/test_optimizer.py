@@ -8,7 +8,7 @@ from typing import Any
 import h5py
 import pytest
 import torch
-from tierstore.optimizer import OffloadedAdamW, engine, partition
+from tierstore.optimizer import OffloadedAdamW, StaleMasterWeightsError, engine, partition
 from tierstore.optimizer.partition import KERNEL_ALIGNMENT
 
 from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, TierStore
@@ -16,6 +16,8 @@ from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClos
 from .helpers import make_store, relative_error, train_against_reference, train_side_by_side, twin_parameters
 
 SHAPES = [(37, 13), (1000,), (7,), (300, 3), (4097,)]  # sizes off every alignment
+FP32_STATE = 8
+"""Bytes of state per fp32 parameter: its two moments (it is its own master weights)."""
 
 
 def run_pair(
@@ -241,7 +243,7 @@ def test_save_load_continue_equals_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_cached_subgroups_skip_their_reads_and_writes(tmp_path: Path) -> None:
-    sub_group_size, state_bytes = 1000, 12 * 1000
+    sub_group_size, state_bytes = 1024, FP32_STATE * 1024  # two pages of state per sub-group
     with make_store(tmp_path, "dram") as store:
         params = [torch.nn.Parameter(torch.randn(10 * sub_group_size))]  # 10 sub-groups
         optimizer = OffloadedAdamW(
@@ -295,12 +297,13 @@ def test_partition_arithmetic() -> None:
 
 def test_uneven_subgroups_are_kept_by_bytes_within_the_budget(tmp_path: Path) -> None:
     with make_store(tmp_path, "dram") as store:
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (1000, 10, 10, 10, 10, 10, 10)]
+        large = 1536  # 3 pages of state
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (large, 10, 10, 10, 10, 10, 10)]
         groups = OffloadedAdamW(
             [{"params": [p]} for p in params],
             store,
-            sub_group_size=1000,
-            dram_budget=3 * 12 * 1000 + 4 * 1000,  # room for one large sub-group beside the ring
+            sub_group_size=large,
+            dram_budget=3 * FP32_STATE * large + 4 * large,  # room for one large sub-group beside the ring
             namespace="groups",
         )
         assert len(groups.subgroups) == 7  # one per group: one large, six tiny
@@ -319,7 +322,7 @@ def test_uneven_subgroups_are_kept_by_bytes_within_the_budget(tmp_path: Path) ->
 def uneven_pass_bytes(tmp_path: Path, cache_policy: str) -> tuple[int, list[torch.Tensor]]:
     """Bytes a step moves in steady state over sub-groups [s, s, s, LARGE, s, s] with room for five
     small ones, and the master weights after 6 steps."""
-    small, large = 1024, 4096  # elements: 3 and 12 pages of AdamW state
+    small, large = 1024, 4096  # elements: 2 and 8 pages of AdamW state
     with make_store(tmp_path, "dram") as store:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n)) for n in (small, small, small, large, small, small)]
@@ -327,7 +330,9 @@ def uneven_pass_bytes(tmp_path: Path, cache_policy: str) -> tuple[int, list[torc
             [{"params": [p]} for p in params],
             store,
             sub_group_size=large,
-            dram_budget=2 * 12 * large + 4 * large + 5 * 12 * small,  # ring + gradients + 5 small kept
+            dram_budget=2 * FP32_STATE * large
+            + 4 * large
+            + 5 * FP32_STATE * small,  # ring, gradients, 5 small
             cache_policy=cache_policy,  # type: ignore[arg-type]
             namespace=cache_policy,
         )
@@ -349,8 +354,8 @@ def test_the_model_keeps_more_of_uneven_subgroups_than_static_and_moves_fewer_by
     model_moved, model_result = uneven_pass_bytes(tmp_path, "model")
     static_moved, static_result = uneven_pass_bytes(tmp_path, "static")
     # static stops at the large sub-group (2 or 3 small ones kept, alternately); the model steps
-    # over it and keeps all five small ones for good: only the large one moves, 2 x 48 KiB a step
-    assert model_moved == 4 * 2 * 12 * 4096
+    # over it and keeps all five small ones for good: only the large one moves, 2 x 32 KiB a step
+    assert model_moved == 4 * 2 * FP32_STATE * 4096
     assert static_moved > model_moved
     for got, want in zip(model_result, static_result, strict=True):
         assert torch.equal(got, want)  # the policy changes what moves, never the arithmetic
@@ -730,8 +735,9 @@ def test_amsgrad_and_maximize_match_torch_adamw(tmp_path: Path) -> None:
         train_side_by_side(optimizer, model, expected, reference, range(6))
         for got, want in zip(optimizer.master_params(), reference, strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
-        assert [optimizer.state_numel(sg) // sg.numel for sg in optimizer.subgroups] == [4, 4, 4, 4, 3]
-        assert optimizer.stager.slot_bytes == 4 * 4 * 128
+        # fp32 parameters: the moments, and the running maximum in the amsgrad group
+        assert [optimizer.state_numel(sg) // sg.numel for sg in optimizer.subgroups] == [3, 3, 3, 3, 2]
+        assert optimizer.stager.slot_bytes == 4 * 3 * 128
         state = optimizer.state_dict()["state"]
         torch.testing.assert_close(state[1]["max_exp_avg_sq"], expected.state[reference[1]]["max_exp_avg_sq"])
         assert "max_exp_avg_sq" not in state[2]
@@ -773,3 +779,283 @@ def test_a_sparse_gradient_is_refused_naming_the_parameter(tmp_path: Path) -> No
             optimizer.step()
         assert all(torch.equal(p, b) for p, b in zip((other, embedding.weight), before, strict=True))
         assert optimizer.step_count == 0 and torch.equal(optimizer.master_params()[0], before[0])
+
+
+# -- master weights, and state dicts that go through torch's AdamW ----------------------------------
+def torch_fused(params: list[torch.nn.Parameter] | list[dict[str, Any]], **options: Any) -> torch.optim.AdamW:
+    """torch's AdamW on the fused kernel, OffloadedAdamW's arithmetic."""
+    return torch.optim.AdamW(params, fused=True, **options)
+
+
+def train_twins(
+    optimizer: torch.optim.Optimizer,
+    model: list[torch.nn.Parameter],
+    expected: torch.optim.Optimizer,
+    reference: list[torch.nn.Parameter],
+    steps: range,
+) -> None:
+    """:func:`train_side_by_side`, then the two models must be equal to the bit."""
+    train_side_by_side(optimizer, model, expected, reference, steps)
+    for got, want in zip(model, reference, strict=True):
+        assert torch.equal(got.detach(), want.detach())
+
+
+def test_fp32_parameters_are_their_own_master_weights(tmp_path: Path) -> None:
+    """No copy of an fp32 parameter in the state (8 bytes per parameter, no master_param in the
+    state dict): weights the model is given outside the optimizer are the ones the next step
+    updates, as with torch's AdamW, instead of being reverted to a stored master."""
+    with make_store(tmp_path, "dram") as store:
+        model, reference = twins([(4, 4), (4,)])
+        optimizer = OffloadedAdamW(model, store, lr=0.1, sub_group_size=8)
+        expected = torch_fused(reference, lr=0.1)
+        assert [optimizer.state_numel(sg) for sg in optimizer.subgroups] == [
+            2 * sg.numel for sg in optimizer.subgroups
+        ]
+        train_twins(optimizer, model, expected, reference, range(3))
+        assert all("master_param" not in entry for entry in optimizer.state_dict()["state"].values())
+        with torch.no_grad():  # e.g. model.load_state_dict after the optimizer was built
+            for param, twin in zip(model, reference, strict=True):
+                param.add_(1.0)
+                twin.add_(1.0)
+        train_twins(optimizer, model, expected, reference, range(3, 5))
+        for master, param in zip(optimizer.master_params(), model, strict=True):
+            assert torch.equal(master, param.detach())
+
+
+def test_a_state_dict_through_torchs_fused_adamw_and_back_continues_bit_for_bit(tmp_path: Path) -> None:
+    """OffloadedAdamW -> torch.optim.AdamW(fused=True) -> OffloadedAdamW, each continuing from the
+    other's state dict: torch stays on its fused kernel (the groups say fused=True) and the weights
+    equal torch's fused AdamW trained straight through, to the bit, at every step: no fp32 master
+    weights go out with the state to come back stale (torch carries the entries it does not know
+    along unchanged while it trains)."""
+    shapes = [(37, 13), (1000,), (4, 4), (300, 3)]
+    with make_store(tmp_path, "dram") as store:
+        model, straight = twins(shapes)
+        hyper: dict[str, Any] = {"lr": 0.1, "betas": (0.8, 0.99), "weight_decay": 0.1}
+        groups: list[dict[str, Any]] = [
+            {"params": model[:2]},
+            {"params": model[2:], "amsgrad": True, "weight_decay": 0.0},
+        ]
+        ours = OffloadedAdamW(groups, store, sub_group_size=640, **hyper)
+        expected = torch_fused(
+            [{**groups[0], "params": straight[:2]}, {**groups[1], "params": straight[2:]}], **hyper
+        )
+        train_twins(ours, model, expected, straight, range(3))
+
+        theirs = torch_fused([{"params": model[:2]}, {"params": model[2:]}])
+        theirs.load_state_dict(ours.state_dict())
+        assert [group["fused"] for group in theirs.param_groups] == [True, True]
+        assert set(theirs.param_groups[0]) == set(expected.param_groups[0])
+        train_twins(theirs, model, expected, straight, range(3, 6))
+
+        ours.load_state_dict(theirs.state_dict())
+        train_twins(ours, model, expected, straight, range(6, 9))
+        assert ours.param_steps == [9, 9, 9, 9]
+
+
+def test_our_state_dict_from_torchs_fused_adamw_continues_bit_for_bit(tmp_path: Path) -> None:
+    """torch.optim.AdamW(fused=True)'s state dict (no master weights) into a fresh OffloadedAdamW:
+    the model's weights are the masters, and it continues as torch would."""
+    with make_store(tmp_path, "nvme") as store:
+        model, straight = twins([(37, 13), (1000,)])
+        first = torch_fused(model, lr=1e-2)
+        expected = torch_fused(straight, lr=1e-2)
+        train_twins(first, model, expected, straight, range(4))
+        ours = OffloadedAdamW(model, store, lr=0.5, sub_group_size=256)  # the dict's lr is taken
+        ours.load_state_dict(first.state_dict())
+        assert ours.param_groups[0]["lr"] == 1e-2 and ours.param_groups[0]["fused"] is True
+        train_twins(ours, model, expected, straight, range(4, 8))
+
+
+def test_stale_master_weights_of_a_bf16_model_are_refused(tmp_path: Path) -> None:
+    """A bf16 model's state dict through torch's AdamW: torch carries master_param along (rounded
+    to bf16) while it trains, so the masters no longer belong to the model's weights. Loading it
+    back is a StaleMasterWeightsError naming what to do, nothing restored; without master_param
+    the model's weights are the masters, and the next step starts from them."""
+    torch.manual_seed(2)
+    model = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in [(4, 4), (300,)]]
+    with make_store(tmp_path, "dram") as store:
+        ours = OffloadedAdamW(model, store, lr=0.1, sub_group_size=128)
+        for step in range(3):
+            for param in model:
+                param.grad = torch.randn(
+                    param.shape, generator=torch.Generator().manual_seed(step)
+                ).bfloat16()
+            ours.step()
+        saved = ours.state_dict()
+        assert all(entry["master_param"].dtype == torch.float32 for entry in saved["state"].values())
+        theirs = torch_fused(model, lr=0.1)
+        theirs.load_state_dict(saved)
+        for step in range(3, 6):
+            for param in model:
+                param.grad = torch.randn(
+                    param.shape, generator=torch.Generator().manual_seed(step)
+                ).bfloat16()
+            theirs.step()
+        current = [param.detach().clone() for param in model]
+        before = ours.state_dict()
+        with pytest.raises(
+            StaleMasterWeightsError, match=r"parameter 0 \(shape \(4, 4\)\).*drop 'master_param'"
+        ):
+            ours.load_state_dict(theirs.state_dict())
+        assert isinstance(StaleMasterWeightsError("x"), BufferMismatchError)
+        after = ours.state_dict()  # nothing restored
+        assert ours.param_steps == [3, 3]
+        for entry, was in zip(after["state"].values(), before["state"].values(), strict=True):
+            assert all(torch.equal(entry[part], was[part]) for part in was)
+
+        dropped = theirs.state_dict()
+        for entry in dropped["state"].values():
+            del entry["master_param"]
+        ours.load_state_dict(dropped)
+        for master, weights in zip(ours.master_params(), current, strict=True):
+            assert torch.equal(master, weights.float())
+        for param in model:
+            param.grad = torch.randn(param.shape).bfloat16()
+        ours.step()
+        for param, was in zip(model, current, strict=True):  # one step of about lr, not a revert
+            assert float((param.detach().float() - was.float()).abs().max()) <= 0.1 * 1.2
+
+        consistent = ours.state_dict()  # its masters belong to the model's weights: accepted
+        ours.load_state_dict(consistent)
+
+
+def test_a_group_mixing_fp32_and_bf16_parameters(tmp_path: Path) -> None:
+    """The group's state has a master row (for its bf16 parameter); the fp32 one is updated in
+    place as torch's fused AdamW updates it, to the bit, and has no master_param in the state dict."""
+    torch.manual_seed(3)
+    norm, weight = torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(200).bfloat16())
+    twin = torch.nn.Parameter(norm.detach().clone())
+    with make_store(tmp_path, "dram") as store:
+        ours = OffloadedAdamW([norm, weight], store, lr=1e-2, sub_group_size=128)
+        expected = torch_fused([twin], lr=1e-2)
+        assert [ours.state_numel(sg) // sg.numel for sg in ours.subgroups] == [3, 3, 3]
+        for step in range(4):
+            generator = torch.Generator().manual_seed(step)
+            norm.grad = torch.randn(100, generator=generator)
+            weight.grad = torch.randn(200, generator=generator).bfloat16()
+            twin.grad = norm.grad.clone()
+            ours.step()
+            expected.step()
+        assert torch.equal(norm.detach(), twin.detach())
+        masters = ours.master_params()
+        assert torch.equal(masters[1].bfloat16(), weight.detach()) and not torch.equal(
+            masters[1], weight.float()
+        )
+        state = ours.state_dict()["state"]
+        assert "master_param" not in state[0] and "master_param" in state[1]
+
+
+def test_a_parameter_whose_dtype_changes_after_its_group_was_added_is_refused(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        layer = torch.nn.Linear(4, 4)
+        optimizer = OffloadedAdamW(layer.parameters(), store)
+        layer.bfloat16()  # the same Parameter objects, bf16 now
+        layer(torch.randn(2, 4).bfloat16()).sum().backward()
+        with pytest.raises(ConfigError, match=r"parameter 0 \(shape \(4, 4\)\) is torch.bfloat16 now"):
+            optimizer.step()
+
+
+def test_a_snapshot_of_another_master_layout_is_refused(tmp_path: Path) -> None:
+    """A snapshot holding fp32 master weights for parameters that are fp32 here (from a bf16 model,
+    or one without ``own_masters``, which holds master weights for every parameter) is laid out
+    differently: refused, never misread. A snapshot of fp32 parameters holds no weights: the model
+    keeps its own."""
+    with make_store(tmp_path, "dram") as store:
+        bf16 = [torch.nn.Parameter(torch.randn(300).bfloat16())]
+        OffloadedAdamW(bf16, store, namespace="n").save_snapshot(tmp_path / "bf16.h5")
+    with make_store(tmp_path, "dram") as store:
+        fp32, _ = twins([(300,)])
+        optimizer = OffloadedAdamW(fp32, store, namespace="n")
+        with pytest.raises(BufferMismatchError, match=r"other dtypes.*parameters \[0\]"):
+            optimizer.load_snapshot(tmp_path / "bf16.h5")
+        optimizer.save_snapshot(tmp_path / "fp32.h5")
+        with h5py.File(tmp_path / "fp32.h5", "r+") as snapshot:  # master weights for every parameter
+            metadata = json.loads(snapshot.attrs["metadata"])
+            del metadata["own_masters"]
+            snapshot.attrs["metadata"] = json.dumps(metadata)
+        with pytest.raises(BufferMismatchError, match="other dtypes"):
+            optimizer.load_snapshot(tmp_path / "fp32.h5")
+        optimizer.save_snapshot(tmp_path / "fp32.h5")
+        with torch.no_grad():
+            fp32[0].fill_(7.0)
+        optimizer.load_snapshot(tmp_path / "fp32.h5")
+        assert torch.equal(fp32[0].detach(), torch.full((300,), 7.0))
+
+
+def test_decoupled_weight_decay_false_is_torchs_l2_weight_decay(tmp_path: Path) -> None:
+    """A group with decoupled_weight_decay=False gets L2 weight decay (added to the gradient), as in
+    torch's AdamW and torch.optim.Adam(fused=True): equal to both to the bit."""
+    with make_store(tmp_path, "dram") as store:
+        model, reference = twins([(37, 13), (300,)])
+        adam = [torch.nn.Parameter(p.detach().clone()) for p in model[:1]]
+        groups: list[dict[str, Any]] = [
+            {"params": model[:1], "decoupled_weight_decay": False, "weight_decay": 0.5},
+            {"params": model[1:]},
+        ]
+        ours = OffloadedAdamW(groups, store, lr=1e-2, weight_decay=0.1, sub_group_size=256)
+        expected = torch_fused(
+            [{**groups[0], "params": reference[:1]}, {"params": reference[1:]}], lr=1e-2, weight_decay=0.1
+        )
+        torch_adam = torch.optim.Adam(adam, lr=1e-2, weight_decay=0.5, fused=True)
+        for step in range(6):
+            generator = torch.Generator().manual_seed(step)
+            for param, twin in zip(model, reference, strict=True):
+                param.grad = torch.randn(param.shape, generator=generator)
+                twin.grad = param.grad.clone()
+            adam[0].grad = reference[0].grad
+            for optimizer in (ours, expected, torch_adam):
+                optimizer.step()
+        assert torch.equal(model[0].detach(), reference[0].detach())
+        assert torch.equal(model[0].detach(), adam[0].detach())
+        assert torch.equal(model[1].detach(), reference[1].detach())
+        assert ours.state_dict()["param_groups"][0]["decoupled_weight_decay"] is False
+
+
+@pytest.mark.parametrize(
+    ("key", "refused", "accepted"),
+    [
+        ("foreach", [True, 1, "no"], [None, False]),
+        ("fused", [False, 0, "yes"], [None, True]),
+        ("capturable", [True, None], [False]),
+        ("differentiable", [True, None], [False]),
+        ("decoupled_weight_decay", [None, 1], [True, False]),
+    ],
+)
+def test_every_key_of_torchs_adamw_is_honoured_or_refused(
+    tmp_path: Path, key: str, refused: list[object], accepted: list[object]
+) -> None:
+    """As a constructor argument (where torch's AdamW has one), a group key, an added group's key
+    or a key changed before a step: a kernel other than torch's fused AdamW is a ConfigError naming
+    the key. The groups say fused=True, the kernel they run; a loaded state dict's implementation
+    keys describe its saver's kernel and are not taken."""
+    with make_store(tmp_path, "dram") as store:
+        param, other = torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(10))
+        for value in refused:
+            if key != "decoupled_weight_decay":  # not an argument of torch's AdamW
+                arguments: dict[str, Any] = {key: value}  # wrong on purpose: the runtime check is tested
+                with pytest.raises(ConfigError, match=f"^{key}: "):
+                    OffloadedAdamW([param], store, **arguments)
+            groups: list[dict[str, Any]] = [{"params": [param]}, {"params": [other], key: value}]
+            with pytest.raises(ConfigError, match=rf"^param_groups\.1\.{key}: "):
+                OffloadedAdamW(groups, store)
+        optimizer = OffloadedAdamW([param], store, namespace="added")
+        for value in refused:
+            with pytest.raises(ConfigError, match=rf"^param_groups\.1\.{key}: "):
+                optimizer.add_param_group({"params": [other], key: value})
+        assert len(optimizer.param_groups) == 1
+        param.grad = torch.ones(10)
+        optimizer.param_groups[0][key] = refused[0]
+        with pytest.raises(ConfigError, match=rf"^param_groups\.0\.{key}: "):
+            optimizer.step()
+        for value in accepted:
+            optimizer.param_groups[0][key] = value
+            optimizer.step()
+            assert optimizer.param_groups[0]["fused"] is True
+        optimizer.close()
+
+        torch_groups = torch.optim.AdamW([param], foreach=True).state_dict()["param_groups"]
+        ours = OffloadedAdamW([param], store, namespace="loaded")
+        assert set(ours.state_dict()["param_groups"][0]) == set(torch_groups[0])
+        ours.load_state_dict({"state": {}, "param_groups": torch_groups})
+        assert ours.param_groups[0]["foreach"] is None and ours.param_groups[0]["fused"] is True

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from tierstore.optimizer import Piece, SubGroup
+from tierstore.optimizer.engine import stale_masters_error
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -105,10 +106,9 @@ class StateStream:
         state: dict[int, dict[str, Any]] = {}
         number = 0
         for group, params in enumerate(optimizer.param_groups):
-            parts = optimizer._parts(SubGroup(0, group, 0, ()))
             for param in params["params"]:
                 entry: dict[str, Any] = {"step": torch.tensor(float(optimizer.param_steps[number]))}
-                for part in parts:
+                for part in optimizer._entry_parts(number, group):
                     entry[part] = self._placeholder(number, part, param)
                 state[number] = entry
                 number += 1
@@ -519,12 +519,15 @@ def load(
 
     Raises:
         BufferMismatchError: the checkpoint's parameter groups do not match the optimizer's.
+        StaleMasterWeightsError: the model's loaded (low-precision) weights do not round from the
+            checkpoint's ``master_param``: they are not the weights the state belongs to.
         StoreClosedError: the optimizer is closed.
 
     The state is streamed into the store as DCP reads it, with no second copy: a load that fails
-    part-way (DCP's ``CheckpointException``: a missing or damaged file) leaves the store holding
-    some sub-groups from the checkpoint and the rest as they were, so load again before training
-    on. A failed :func:`save` changes nothing but the checkpoint directory.
+    part-way (DCP's ``CheckpointException``: a missing or damaged file, or a
+    :class:`StaleMasterWeightsError`) leaves the store holding some sub-groups from the checkpoint
+    and the rest as they were, so load again before training on. A failed :func:`save` changes
+    nothing but the checkpoint directory.
     """
     stream = StateStream(optimizer)
     try:
@@ -538,10 +541,11 @@ def load(
             )
     finally:
         stream.finish()
-    if not optimizer.fp32_shards:  # the model follows the restored masters
-        for sg in optimizer.subgroups:
-            for piece, values in optimizer._master_views(sg, optimizer.stager.read(sg.index)):
-                optimizer._copy_to_model(piece, values)
+    stale = optimizer._stale_masters()  # the model was loaded from the same checkpoint
+    if stale:
+        raise stale_masters_error(
+            f"checkpoint {checkpoint_id}", stale, [tuple(optimizer.params[n].shape) for n in stale]
+        )
     return {**{k: state[k] for k in extra}, "optimizer_bytes": stream.bytes_moved}
 
 

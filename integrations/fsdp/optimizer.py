@@ -4,8 +4,8 @@
 (``Shard(0)``) over a 1-D device mesh: each rank holds a contiguous block of rows, its *local
 shard*. :class:`FSDPOffloadedAdamW` is :class:`~tierstore.optimizer.OffloadedAdamW` whose
 sub-groups are cut from those local shards, so a rank reads and writes the state of its own shards
-only, under its own namespace (``rank<N>/adamw`` by default). Two layouts, chosen from the shards'
-dtype:
+only, under its own namespace (``rank<N>/adamw`` by default). The layouts are
+:class:`~tierstore.optimizer.OffloadedAdamW`'s, by the shards' dtype:
 
 * low-precision shards (a model built in bf16 before ``fully_shard``): each sub-group's object is
   ``fp32 master | exp_avg | exp_avg_sq``, 12 bytes per parameter in the store; the shard keeps its
@@ -22,12 +22,12 @@ the ranks). Gradient clipping (``max_grad_norm``) takes one all-reduce of the sq
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tierstore.optimizer import OffloadedAdamW, Piece, SubGroup
+from tierstore.optimizer import OffloadedAdamW
 from tierstore.optimizer.adamw import STATE_PARTS
 from tierstore.optimizer.options import CachePolicy
 from torch import nn
@@ -100,9 +100,15 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         betas: the coefficients of the running averages of the gradient and its square, each in
             [0, 1).
         eps: added to the denominator for numerical stability.
-        weight_decay: the decoupled weight decay coefficient.
+        weight_decay: the weight decay coefficient (decoupled; L2 in a group with
+            ``decoupled_weight_decay=False``).
         amsgrad: keep the running maximum of the second moment (AMSGrad).
         maximize: maximize the objective instead of minimizing it.
+        foreach: torch's multi-tensor kernel: None or False; True is refused (the kernel is torch's
+            fused AdamW, as :class:`~tierstore.optimizer.OffloadedAdamW`'s).
+        capturable: torch's CUDA-graph-capturable step: False; True is refused.
+        differentiable: torch's autograd through the step: False; True is refused.
+        fused: torch's fused kernel, the one this optimizer runs: None or True; False is refused.
         sub_group_size: local (this rank's) parameter elements per sub-group.
         max_grad_norm: clip the global gradient norm (over all ranks) to this; None for no
             clipping.
@@ -124,8 +130,9 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
             parameters sharded otherwise than by rows over a 1-D mesh (HSDP, tensor
             parallelism), on different meshes, or on a device other than the CPU; parameters of
             mixed dtypes (some shards fp32, some not); or a ``CPUOffloadPolicy`` model.
-        ConfigError: a hyper-parameter or staging argument of the wrong type or out of range
-            (the message names it), or a parameter listed twice.
+        ConfigError: a hyper-parameter or staging argument of the wrong type or out of range, or
+            asking for a kernel other than torch's fused AdamW (the message names it), or a
+            parameter listed twice.
         CapacityError: ``dram_budget`` is below the working set, or does not fit beside the
             store's other reservations.
         NamespaceInUseError: ``namespace`` is already claimed on the store.
@@ -144,6 +151,10 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         sub_group_size: int = 100_000_000,
         max_grad_norm: float | None = None,
         dram_budget: int | str | None = None,
@@ -174,7 +185,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
                 "torch.distributed.fsdp.fully_shard to it (and to its blocks) before building the "
                 "optimizer, or use tierstore.optimizer.OffloadedAdamW for an unsharded model"
             )
-        self._fp32_shards = _shard_layout(tensors)
+        _shard_layout(tensors)
         self.process_group = self.mesh.get_group() if process_group is None else process_group
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         super().__init__(
@@ -186,6 +197,10 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
             sub_group_size=sub_group_size,
             max_grad_norm=max_grad_norm,
             dram_budget=dram_budget,
@@ -210,7 +225,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         True: only the moments are staged; False: the store holds fp32 masters for low-precision
         shards.
         """
-        return self._fp32_shards
+        return all(self._own_masters)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As :meth:`~tierstore.optimizer.StagedOptimizer.add_param_group`, for parameters sharded
@@ -232,34 +247,16 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             param_group["params"] = params
             mesh = _common_mesh([*self.params, *params])
-            if _shard_layout([*self.params, *params]) != self._fp32_shards or (
+            if _shard_layout([*self.params, *params]) != self.fp32_shards or (
                 self.mesh is not None and mesh != self.mesh
             ):
                 raise FSDPSetupError("the added group's parameters are sharded or typed unlike the others")
         super().add_param_group(param_group)
 
     # -- the engine's view of a parameter: its local shard ------------------------------------------
-    def _partition(self, first_group: int) -> list[SubGroup]:
-        index = {id(p): i for i, p in enumerate(self.params)}
-        sizes = [
-            [(index[id(p)], local_shard(p).numel()) for p in group["params"]] if number >= first_group else []
-            for number, group in enumerate(self.param_groups)
-        ]
-        from tierstore.optimizer import partition
-
-        cut = partition(sizes, self.sub_group_size)
-        start = len(self.subgroups)
-        return [SubGroup(start + i, sg.group, sg.numel, sg.pieces) for i, sg in enumerate(cut)]
-
-    def _pieces_with_gradients(self, sg: SubGroup) -> Iterator[tuple[Piece, torch.Tensor]]:
-        for piece in sg.pieces:
-            grad = self.params[piece.param].grad
-            if grad is not None:
-                yield piece, local_shard(grad).view(-1)
-
-    def _copy_to_model(self, piece: Piece, master: torch.Tensor) -> None:
-        target = local_shard(self.params[piece.param].data).view(-1)
-        target[piece.param_offset : piece.param_offset + piece.length].copy_(master)
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's local shard of a parameter, or of a tensor sharded like one (a view)."""
+        return local_shard(tensor)
 
     def _gradient_coefficient(self, grad_scale: float) -> float | None:
         """As the engine's, with the squared norm summed over the ranks in one all-reduce: sharded
@@ -287,35 +284,6 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
             coefficient *= min(1.0, self.max_grad_norm / (norm + 1e-6))  # as clip_grad_norm_
         return coefficient
 
-    # -- the layout: masters in the store, or the fp32 shards as their own masters ---------------------
-    def _parts(self, sg: SubGroup) -> tuple[str, ...]:
-        parts = super()._parts(sg)
-        return tuple(p for p in parts if p != "master_param") if self._fp32_shards else parts
-
-    def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
-        if not self._fp32_shards:
-            return super()._master_views(sg, state)
-        return [(piece, self._shard_window(piece)) for piece in sg.pieces]
-
-    def _shard_window(self, piece: Piece) -> torch.Tensor:
-        """The piece's elements of its parameter's local shard (a view: writes update the model)."""
-        flat = local_shard(self.params[piece.param].data).view(-1)
-        return flat[piece.param_offset : piece.param_offset + piece.length]
-
-    def _updated_weights(
-        self, grads: list[tuple[Piece, torch.Tensor]], windows: dict[str, list[torch.Tensor]]
-    ) -> list[torch.Tensor]:
-        """Fp32 shards are their own master weights: the kernel updates the shards' windows in
-        place (the state holds the moments only)."""
-        if not self._fp32_shards:
-            return super()._updated_weights(grads, windows)
-        return [self._shard_window(piece) for piece, _ in grads]
-
-    def _updated(self, grads: list[tuple[Piece, torch.Tensor]], weights: list[torch.Tensor]) -> None:
-        """Fp32 shards were updated in place; low-precision ones receive the new masters."""
-        if not self._fp32_shards:
-            super()._updated(grads, weights)
-
     # -- state dicts: DTensors sharded like the parameters ------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As :meth:`~tierstore.optimizer.StagedOptimizer.load_state_dict`, for a dict keyed by
@@ -334,19 +302,6 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         """
         super().load_state_dict(by_position(state_dict))
 
-    def _fill(self, sg: SubGroup, state: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
-        for part, row in self._rows(sg, state).items():
-            for piece in sg.pieces:
-                window = row[piece.offset : piece.offset + piece.length]
-                source = slice(piece.param_offset, piece.param_offset + piece.length)
-                entry = None if saved is None else saved.get(piece.param, saved.get(str(piece.param)))
-                if entry is not None and part in entry:
-                    window.copy_(local_shard(entry[part]).detach().reshape(-1)[source])
-                elif part == "master_param":
-                    window.copy_(local_shard(self.params[piece.param].detach()).reshape(-1)[source])
-                else:
-                    window.zero_()
-
     def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
         super()._check_entries(entries)
         for i, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
@@ -364,29 +319,10 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
     def _state_entries(self) -> list[dict[str, Any]]:
         """Per parameter, its state parts as fp32 tensors sharded like the parameter (``DTensor``s
         over the same mesh and placements), gathered from the store: this rank's shards only."""
-        gathered: list[dict[str, Any]] = [{} for _ in self.params]
-        for sg in self.subgroups:
-            for part, row in self._rows(sg, self.stager.read(sg.index)).items():
-                for piece in sg.pieces:
-                    whole = gathered[piece.param].get(part)
-                    if whole is None:
-                        shape = local_shard(self.params[piece.param]).shape
-                        whole = gathered[piece.param][part] = torch.empty(shape, dtype=torch.float32)
-                    whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
-                        row[piece.offset : piece.offset + piece.length]
-                    )
-        number = 0
-        for group, params in enumerate(self.param_groups):
-            parts = self._parts(SubGroup(0, group, 0, ()))
-            for param in params["params"]:
-                entry = gathered[number]
-                for part in parts:  # an empty shard (fewer rows than ranks) has no pieces
-                    local = entry.get(part)
-                    if local is None:
-                        local = torch.empty(local_shard(param).shape, dtype=torch.float32)
-                    entry[part] = like_parameter(param, local)
-                number += 1
-        return gathered
+        return [
+            {part: like_parameter(param, local) for part, local in entry.items()}
+            for param, entry in zip(self.params, super()._state_entries(), strict=True)
+        ]
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 master weights of this rank's shards.
@@ -398,14 +334,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         Raises:
             StoreClosedError: the optimizer is closed.
         """
-        self._check_open()
-        masters = [torch.empty(local_shard(p).shape, dtype=torch.float32) for p in self.params]
-        for sg in self.subgroups:
-            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
-                masters[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
-                    values
-                )
-        return [like_parameter(p, m) for p, m in zip(self.params, masters, strict=True)]
+        return [like_parameter(p, m) for p, m in zip(self.params, super().master_params(), strict=True)]
 
 
 def by_position(state_dict: dict[str, Any]) -> dict[str, Any]:
