@@ -10,7 +10,10 @@ Keys: ``setup`` (``fp32``: fp32 model; ``mp``: fp32 shards with
 module left unsharded: only the blocks are sharded), ``steps``, ``reference`` (also train
 FSDP2 + ``torch.optim.AdamW`` on the same model and data), ``save_at`` + ``checkpoint`` (save after
 that step), ``resume`` (load ``checkpoint`` first and continue from its step), ``state_dir`` (an
-NVMe tier per rank under it, else DRAM), ``dram_budget``, ``sub_group_size``.
+NVMe tier per rank under it, else DRAM), ``dram_budget``, ``sub_group_size``. ``scenario``:
+``errors`` (the refused setups), ``rss`` (peak RSS of a step and a save), ``interop`` (DCP
+checkpoints from tierstore's optimizer resumed by torch's fused AdamW and the reverse, under
+``checkpoint``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,16 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return share[:, :-1], share[:, 1:]
 
 
-def train_step(model: GPT, optimizer: torch.optim.Optimizer, run: dict[str, Any], step: int) -> float:
+def train_step(
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    run: dict[str, Any],
+    step: int,
+    coefficient_errors: list[float] | None = None,
+) -> float:
+    """One training step; with ``coefficient_errors`` and the optimizer's own clipping, the relative
+    difference between the clipping coefficient it takes and the one ``clip_grad_norm_``'s norm
+    gives, on this step's gradients, is appended to it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, targets = batch(step, rank, world)
     loss = model(tokens, targets)
@@ -78,6 +90,17 @@ def train_step(model: GPT, optimizer: torch.optim.Optimizer, run: dict[str, Any]
         run.get("clip") == "optimizer" and not isinstance(optimizer, fsdp.FSDPOffloadedAdamW)
     ):
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    if (
+        run.get("clip") == "optimizer"
+        and coefficient_errors is not None
+        and isinstance(optimizer, fsdp.FSDPOffloadedAdamW)
+    ):
+        ours = optimizer._gradient_coefficient(1.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        total = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        theirs = min(1.0, MAX_NORM / (total + 1e-6))
+        assert ours is not None
+        coefficient_errors.append(abs(ours - theirs) / theirs)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     mean = loss.detach().float().clone()
@@ -222,12 +245,101 @@ def setup_errors() -> dict[str, list[str]]:
     return found
 
 
+def torch_fused_adamw(model: GPT) -> torch.optim.AdamW:
+    """torch's AdamW on its fused kernel (the offloaded optimizer's arithmetic) over ``model``."""
+    # torch's fused kernel takes DTensors and plain tensors in separate groups only
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    plain = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    groups: list[dict[str, Any]] = [{"params": sharded}, *([{"params": plain}] if plain else [])]
+    return torch.optim.AdamW(groups, **HYPER, fused=True)
+
+
+def interop(run: dict[str, Any]) -> dict[str, Any]:
+    """DCP checkpoints passed between FSDPOffloadedAdamW and torch's fused AdamW with stock calls
+    (``get_state_dict`` + ``dcp.save``, ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``), and
+    tierstore's :func:`fsdp.save` / :func:`fsdp.load`: each resumed run's losses and its largest
+    parameter difference from torch's fused AdamW trained straight through (clip_grad_norm_ on every
+    step, fp32 arithmetic: equal to the bit)."""
+    rank = dist.get_rank()
+    run = {**run, "clip": "torch"}
+    steps, save_at, root = run["steps"], run["save_at"], Path(run["checkpoint"])
+
+    def trained(make: Any, first: int, last: int, model: GPT | None = None, restore: Any = None) -> Any:
+        model = build(run) if model is None else model
+        optimizer = make(model)
+        if restore is not None:
+            restore(model, optimizer)
+        losses = [train_step(model, optimizer, run, step) for step in range(first, last)]
+        return model, optimizer, losses
+
+    stores: list[TierStore] = []
+
+    def ours(model: GPT) -> fsdp.FSDPOffloadedAdamW:
+        stores.append(open_store({}, rank))
+        return fsdp.FSDPOffloadedAdamW(model, stores[-1], **HYPER, sub_group_size=3000)
+
+    def stock_save(path: Path) -> Any:
+        def save(model: GPT, optimizer: torch.optim.Optimizer) -> None:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+
+        return save
+
+    def stock_load(path: Path) -> Any:
+        def load(model: GPT, optimizer: torch.optim.Optimizer) -> None:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp_load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
+        return load
+
+    def streamed_load(path: Path) -> Any:
+        return lambda model, optimizer: fsdp.load(str(path), model, optimizer)
+
+    try:
+        straight, _, straight_losses = trained(torch_fused_adamw, 0, steps)
+        expected = [full(p) for p in straight.parameters()]
+        # tierstore's optimizer saves after save_at steps: streamed, and with torch's own calls
+        model, optimizer, _ = trained(ours, 0, save_at)
+        fsdp.save(str(root / "ours-streamed"), model, optimizer)
+        stock_save(root / "ours-stock")(model, optimizer)
+        # torch's fused AdamW saves after save_at steps, with torch's own calls
+        model, optimizer, _ = trained(torch_fused_adamw, 0, save_at)
+        stock_save(root / "torch-stock")(model, optimizer)
+        resumes = {
+            "torch from ours (fsdp.save)": (torch_fused_adamw, stock_load(root / "ours-streamed")),
+            "torch from ours (dcp.save)": (torch_fused_adamw, stock_load(root / "ours-stock")),
+            "ours from torch (dcp.load)": (ours, stock_load(root / "torch-stock")),
+            "ours from torch (fsdp.load)": (ours, streamed_load(root / "torch-stock")),
+        }
+        found: dict[str, Any] = {"world": dist.get_world_size()}
+        for name, (make, restore) in resumes.items():
+            model, optimizer, losses = trained(make, save_at, steps, restore=restore)
+            if isinstance(optimizer, torch.optim.AdamW):
+                found[f"{name}: fused"] = [group["fused"] for group in optimizer.param_groups]
+            found[name] = {
+                "losses_equal": losses == straight_losses[save_at:],
+                "largest_difference": max(
+                    float((full(p) - e).abs().max())
+                    for p, e in zip(model.parameters(), expected, strict=True)
+                ),
+            }
+        return found
+    finally:
+        for store in stores:
+            store.close()
+
+
 def main() -> None:
     run = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
-    if run.get("scenario") in ("errors", "rss"):
+    if run.get("scenario") in ("errors", "rss", "interop"):
         try:
-            figures: dict[str, Any] = setup_errors() if run["scenario"] == "errors" else peak_rss(run)
+            figures: dict[str, Any] = (
+                setup_errors()
+                if run["scenario"] == "errors"
+                else {"rss": peak_rss, "interop": interop}[run["scenario"]](run)
+            )
             if dist.get_rank() == 0:
                 Path(run["output"]).write_text(json.dumps(figures))
         finally:
@@ -262,19 +374,17 @@ def main() -> None:
                 "state": 4 * sum(optimizer.state_numel(sg) for sg in optimizer.subgroups),
             }
         losses = []
+        coefficient_errors: list[float] = []
         for step in range(first, run["steps"]):
-            losses.append(train_step(model, optimizer, run, step))
+            losses.append(train_step(model, optimizer, run, step, coefficient_errors))
             if run.get("save_at") == step + 1:
                 save(run, model, optimizer, step + 1)
         result["losses"] = losses
+        result["coefficient_errors"] = coefficient_errors
         params = [full(p) for p in model.parameters()]
         if run.get("reference"):
             reference = build(run)
-            # torch's fused kernel takes DTensors and plain tensors in separate groups only
-            sharded = [p for p in reference.parameters() if isinstance(p, DTensor)]
-            plain = [p for p in reference.parameters() if not isinstance(p, DTensor)]
-            groups: list[dict[str, Any]] = [{"params": sharded}, *([{"params": plain}] if plain else [])]
-            torch_adamw = torch.optim.AdamW(groups, **HYPER, fused=run.get("fused"))
+            torch_adamw = torch_fused_adamw(reference)
             result["reference_losses"] = [
                 train_step(reference, torch_adamw, run, s) for s in range(run["steps"])
             ]

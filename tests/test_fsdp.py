@@ -91,7 +91,6 @@ def straight(scratch: Path) -> Run:
         setup="fp32",
         clip="torch",
         reference=True,
-        fused=True,
         state_dir=str(scratch / "state-straight"),
         sub_group_size=3000,
         save_at=SAVE_AT,
@@ -112,17 +111,23 @@ def test_fp32_matches_torch_adamw_with_clip_grad_norm(
 
 def test_own_clipping_takes_the_global_norm(scratch: Path) -> None:
     """max_grad_norm clips by the norm over both ranks' shards (one all-reduce), as clip_grad_norm_
-    does: the same training to the rounding of the norm (a sum in another order). Every step clips
-    (a norm limit far below the gradients'), so a per-rank norm would train visibly differently."""
-    result, _ = launch(scratch, "own-clip", setup="fp32", clip="optimizer", reference=True, fused=True)
-    assert result["max_relative_error"] <= 1e-4
+    does: on each step's gradients the clipping coefficient is clip_grad_norm_'s to the rounding of
+    the norm (a sum in another order). Every step clips (a norm limit far below the gradients'), so a
+    per-rank norm would train visibly differently. The parameters then agree as far as Adam lets
+    rounding differences grow, which depends on the model: elements whose true gradient is zero
+    train on rounding noise, which Adam turns into steps of about lr (on this GPT the parameters
+    agree within 1e-4; on nn.TransformerEncoder, whose in_proj_bias has such elements, not)."""
+    result, _ = launch(scratch, "own-clip", setup="fp32", clip="optimizer", reference=True)
+    assert len(result["coefficient_errors"]) == STEPS
+    assert max(result["coefficient_errors"]) <= 1e-6
     assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5)
+    assert result["max_relative_error"] <= 1e-4
 
 
 def test_mixed_precision_policy_stages_the_moments_only(scratch: Path) -> None:
     """MixedPrecisionPolicy(param_dtype=bf16): the sharded parameters stay fp32 and are their own
     masters; bf16 compute, fp32 update, equal to torch's."""
-    result, _ = launch(scratch, "mp", setup="mp", clip="torch", reference=True, fused=True)
+    result, _ = launch(scratch, "mp", setup="mp", clip="torch", reference=True)
     assert result["fp32_shards"] and result["state_per_element"] == 2
     assert result["max_relative_error"] <= 1e-6
     assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-6)
@@ -133,7 +138,7 @@ def test_bf16_model_gets_fp32_masters_in_the_store(scratch: Path, straight: Run)
     torch's AdamW keeps bf16 state for bf16 parameters, so the reference is the fp32 run and the
     tolerance torch's own bf16 run's distance from it: ours stays as close (closer on average, its
     masters being fp32)."""
-    result, ours = launch(scratch, "bf16", setup="bf16", clip="torch", reference=True, fused=True)
+    result, ours = launch(scratch, "bf16", setup="bf16", clip="torch", reference=True)
     torch_bf16 = torch.load(scratch / "bf16.reference.pt")
     fp32_result, fp32 = straight
     assert not result["fp32_shards"] and result["state_per_element"] == 3
@@ -152,7 +157,7 @@ def test_model_mixing_sharded_and_unsharded_modules(scratch: Path) -> None:
     """Only the blocks sharded: the embeddings, final norm and head stay plain tensors, replicated
     (their gradients averaged over the ranks, as replicate() would); each rank stages their whole
     state, and they stay identical on every rank."""
-    result, _ = launch(scratch, "mixed", setup="fp32", mixed=True, reference=True, fused=True)
+    result, _ = launch(scratch, "mixed", setup="fp32", mixed=True, reference=True)
     assert result["replicated"] == 4  # token and position embeddings (the head is tied), final norm
     assert result["replica_spread"] == 0.0
     assert result["max_relative_error"] <= 1e-6
@@ -212,6 +217,34 @@ def test_resume_on_two_ranks_is_exact_for_each_setup(scratch: Path, setup: str, 
     result, resumed = launch(scratch, f"{setup}-resumed", resume=True, **common)
     assert result["losses"] == straight["losses"][SAVE_AT:]
     assert largest_error(resumed, trained) == 0.0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dcp_checkpoints_pass_between_torchs_fused_adamw_and_ours(scratch: Path, world: int) -> None:
+    """torch's documented DCP calls, both ways: torch's fused AdamW resumes a checkpoint of
+    FSDPOffloadedAdamW (written by fsdp.save or by get_state_dict + dcp.save) with get_state_dict +
+    dcp.load + set_state_dict, staying on its fused kernel, and FSDPOffloadedAdamW resumes torch's
+    (stock calls, or fsdp.load); each continues as torch's fused AdamW trained straight through, to
+    the bit."""
+    found, _ = launch(
+        scratch,
+        f"interop-{world}",
+        world=world,
+        scenario="interop",
+        setup="fp32",
+        save_at=SAVE_AT,
+        checkpoint=str(scratch / f"interop-{world}"),
+    )
+    assert found["world"] == world
+    for name in (
+        "torch from ours (fsdp.save)",
+        "torch from ours (dcp.save)",
+        "ours from torch (dcp.load)",
+        "ours from torch (fsdp.load)",
+    ):
+        assert found[name] == {"losses_equal": True, "largest_difference": 0.0}, name
+    assert found["torch from ours (fsdp.save): fused"] == [True]
+    assert found["torch from ours (dcp.save): fused"] == [True]
 
 
 def test_bad_setups_raise_typed_errors_naming_the_problem(scratch: Path) -> None:
