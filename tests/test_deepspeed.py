@@ -309,6 +309,18 @@ def test_bad_tierstore_section_values_name_the_field() -> None:
                 validate_config(config)
 
 
+def test_a_run_leaves_no_empty_directories_behind(scratch: Path) -> None:
+    """The store's tier (``<nvme_path>/tierstore/rank0``) and the folder DeepSpeed's engine copies
+    checkpoints through (``<nvme_path>/zero_stage_3/tierstore/rank0``) are made for the run and
+    removed at its end: a scratch store leaves nothing behind, not even empty directories; what
+    was in ``nvme_path`` before stays."""
+    nvme = scratch / "ds-nvme"
+    nvme.mkdir()
+    (nvme / "mine.txt").write_text("keep")
+    train("--offload", "tierstore", *SMALL, "--steps", "1", "--nvme", str(nvme), output=scratch / "rows.json")
+    assert sorted(path.name for path in nvme.rglob("*")) == ["mine.txt"]
+
+
 def test_unsupported_deepspeed_versions_are_refused() -> None:
     assert check_deepspeed_version("0.19.8") == "0.19.8"
     for version in ("0.18.4", "0.20.0"):

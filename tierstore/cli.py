@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__
+from ._directories import missing_directories, remove_empty
 from .arguments import byte_size, positive_byte_size, positive_int
 from .backends import open_backend
 from .bandwidth import ProbeCache, probe
@@ -173,16 +174,11 @@ def _size(nbytes: int) -> str:
 def _removed_if_created(directory: Path) -> Iterator[None]:
     """Remove ``directory`` afterwards, with the parents made for it, if this run created it and
     left it empty: a scratch store deletes its objects at close, but not the folder it made."""
-    absolute = directory.absolute()
-    created = [path for path in (absolute, *absolute.parents) if not path.exists()]  # deepest first
+    created = missing_directories(directory)
     try:
         yield
     finally:
-        for path in created:
-            try:
-                path.rmdir()
-            except OSError:  # not empty (someone else's files), or never made: leave it and above
-                break
+        remove_empty(created)
 
 
 # -- train ---------------------------------------------------------------------------------------

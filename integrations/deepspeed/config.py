@@ -63,15 +63,16 @@ class TierstoreSection(StagingOptions):
     """Spill the activations saved in forward through the same store (none: keep them in memory);
     the engine's ``tierstore_activations`` has their ``stats()`` and ``plan_explain()``."""
 
+    def default_tier_path(self, nvme_path: str | Path, rank: int) -> Path | None:
+        """The directory of the rank's default tier, ``<nvme_path>/tierstore/rank<N>``; None where
+        the section gives ``tiers``."""
+        return None if self.tiers else Path(nvme_path) / "tierstore" / f"rank{rank}"
+
     def store_config(self, nvme_path: str | Path, rank: int) -> StoreConfig:
         """The rank's store: no store-level cache (the stager holds the DRAM), default tier on
         ``nvme_path``."""
-        tiers = self.tiers or [
-            TierConfig(
-                name="nvme",
-                backend={"type": "nvme", "path": str(Path(nvme_path) / "tierstore" / f"rank{rank}")},
-            )
-        ]
+        default = self.default_tier_path(nvme_path, rank)
+        tiers = self.tiers or [TierConfig(name="nvme", backend={"type": "nvme", "path": str(default)})]
         return StoreConfig(cache=CacheConfig(budget=ByteSize(0)), tiers=tiers, workers=self.workers)
 
 

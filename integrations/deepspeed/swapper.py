@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tierstore.optimizer.staging import FP32, SubGroupStager
 
+from tierstore._directories import missing_directories, remove_empty
 from tierstore.buffers import aligned_tensor
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError
 from tierstore.store import TierStore
@@ -36,6 +37,11 @@ class TierStoreSwapper:
     ``ds_id``) is one store object laid out ``[master | state tensors...]``. The state tensors are
     whatever the optimizer keeps per element (Adam: ``exp_avg``, ``exp_avg_sq``), discovered when
     it first creates them; between swap-in and swap-out they are views into the staging buffer.
+
+    ``swap_folder`` (where DeepSpeed's engine copies its swap files in and out of a checkpoint) is
+    created here, and ``store_directories`` are those created for the store's tier (from
+    :func:`~tierstore._directories.missing_directories`); :meth:`close` removes both once the
+    store is closed, as far as they are empty, so that a run leaves no empty trees behind.
     """
 
     def __init__(
@@ -46,10 +52,12 @@ class TierStoreSwapper:
         optimizer: torch.optim.Optimizer,
         largest_numel: int,
         namespace: str,
+        store_directories: Sequence[Path] = (),
     ) -> None:
         self.store = store
         self.optimizer = optimizer
         self.swap_folder = str(swap_folder)
+        made = missing_directories(swap_folder)
         os.makedirs(self.swap_folder, mode=0o700, exist_ok=True)
         self.stager = SubGroupStager(
             store,
@@ -66,7 +74,7 @@ class TierStoreSwapper:
         self._parameters: dict[str, torch.Tensor] = {}
         self._numels: dict[str, int] = {}
         self._state_names: dict[str, tuple[str, ...]] = {}
-        self._closer = weakref.finalize(self, store.close)
+        self._closer = weakref.finalize(self, _close, store, [made, list(store_directories)])
 
     # -- DeepSpeed's swapper surface ------------------------------------------------------------
     def is_swappable_tensor(self, tensor: torch.Tensor | None = None, numel: int | None = None) -> bool:
@@ -270,7 +278,8 @@ class TierStoreSwapper:
                 os.unlink(entry.path)
 
     def close(self) -> None:
-        """Close the store (its objects are scratch: a checkpoint's store is the durable copy)."""
+        """Close the store (its objects are scratch: a checkpoint's store is the durable copy), and
+        remove the directories made for it and for ``swap_folder`` that it leaves empty."""
         self._closer()
 
     # -- internals ------------------------------------------------------------------------------
@@ -305,3 +314,12 @@ class TierStoreSwapper:
 def _copy_flat(source: torch.Tensor, state: torch.Tensor) -> None:
     """Fill a sub-group's master weights from DeepSpeed's partition (any shape)."""
     state.copy_(source.reshape(-1))
+
+
+def _close(store: TierStore, made: list[list[Path]]) -> None:
+    """Close ``store``, then remove each list of directories made for this run (deepest first) as
+    far as they are empty: the swap folder's first, for the store's may include the ``nvme_path``
+    that holds both."""
+    store.close()
+    for directories in made:
+        remove_empty(directories)

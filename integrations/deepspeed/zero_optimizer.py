@@ -56,6 +56,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from tierstore.optimizer.staging import pass_order
 
+from tierstore._directories import missing_directories
 from tierstore.errors import BufferMismatchError, ConfigError
 from tierstore.store import TierStore
 
@@ -110,6 +111,8 @@ class TierStoreZeroOptimizer(StockZeroOptimizer):  # type: ignore[misc]
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
         rank = dist.get_rank()
         nvme_path = Path(offload_optimizer_config.nvme_path)
+        default_tier = self.tierstore_section.default_tier_path(nvme_path, rank)
+        made = [] if default_tier is None else missing_directories(default_tier)
         store = TierStore.from_config(self.tierstore_section.store_config(nvme_path, rank))
         self.optimizer_swapper = TierStoreSwapper(
             store,
@@ -118,6 +121,7 @@ class TierStoreZeroOptimizer(StockZeroOptimizer):  # type: ignore[misc]
             self.optimizer,
             largest_numel=max(self.fp16_partitioned_groups_flat_numel),
             namespace=f"rank{rank}",
+            store_directories=made,
         )
 
     # seam 3
