@@ -2,13 +2,19 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
+
+from .helpers import remove_abandoned_build_locks, run_child
+
+pytest_plugins = ["pytester"]
 
 StoreFactory = Callable[..., TierStore]
 
@@ -16,6 +22,48 @@ SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "tools" / "remote-tier
 SFTP_SERVER = Path("/usr/lib/openssh/sftp-server")  # where the script runs it from
 NOT_UP = re.compile(r"not mounted/healthy: (\S+)")
 """``remote-tier.sh status`` exits 0 either way; this line is how it says the tier is not up."""
+
+
+TORCH_EXTENSIONS = (
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    / "tierstore-tests"
+    / f"torch-extensions-py{sys.version_info.major}.{sys.version_info.minor}-torch{torch.__version__}"
+)
+"""Where the tests' children build and find torch extensions (DeepSpeed's native ops): the tests'
+own cache, kept between runs (the ops take minutes to build) and apart from the user's
+``~/.cache/torch_extensions``. One per Python and torch release, since a build is only good for
+the torch it was built against."""
+DEEPSPEED_OPS = ("CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
+"""The ops the DeepSpeed runs on CPU load: DeepSpeedCPUAdam's kernel, the swappers' pinned
+buffers and asynchronous I/O, the shared-memory collectives of a DeepSpeed process group."""
+BUILD_DEEPSPEED_OPS = f"""
+from deepspeed.accelerator import get_accelerator
+for name in {DEEPSPEED_OPS!r}:
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None and builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_extensions() -> Iterator[Path]:
+    """``TORCH_EXTENSIONS_DIR`` for the whole run: :data:`TORCH_EXTENSIONS`, cleared first of the
+    build locks a killed run left behind (which would make each build wait for ever)."""
+    TORCH_EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_build_locks(TORCH_EXTENSIONS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS))
+        yield TORCH_EXTENSIONS
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops(torch_extensions: Path) -> None:
+    """DeepSpeed's native ops (:data:`DEEPSPEED_OPS`), built into the tests' cache before any
+    timed DeepSpeed run, so that no run's time limit falls on a build (about 4 minutes on 2 busy
+    cores, seconds once cached). The build itself has no time limit; interrupting the tests kills
+    it and removes its lock."""
+    built = run_child([sys.executable, "-c", BUILD_DEEPSPEED_OPS], timeout=None)
+    assert built.returncode == 0, f"building DeepSpeed's ops failed:\n{built.stderr[-4000:]}"
 
 
 def _script(command: str) -> subprocess.CompletedProcess[str]:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -97,6 +101,127 @@ def map_count() -> int:
     """How many memory maps this process has (``vm.max_map_count`` caps them, ~65k by default)."""
     with open("/proc/self/maps") as maps:
         return sum(1 for _ in maps)
+
+
+# -- child processes ------------------------------------------------------------------------------
+@contextmanager
+def child_session(command: Sequence[str], **options: Any) -> Iterator[subprocess.Popen[str]]:
+    """Start ``command`` (text mode) as the leader of a session of its own, and on leaving the
+    block, however it is left (a timeout, a failed assertion, Ctrl-C), kill what is left of that
+    session: the child and everything it started (DeepSpeed's workers, and the compilers of a
+    build, which ninja runs in process groups of their own). Then remove the torch extension build
+    locks that no process holds any more, so that a build killed half-way cannot make every later
+    build of that op wait for ever (see :func:`remove_abandoned_build_locks`).
+
+    Args:
+        command: the program and its arguments.
+        options: further :class:`subprocess.Popen` arguments (``stdout``, ``env``...); the
+            child's environment (``env``, else this process's) names the extensions directory.
+    """
+    child = subprocess.Popen(command, start_new_session=True, text=True, **options)
+    try:
+        yield child
+    finally:
+        _kill_session(child)
+        extensions = (options.get("env") or os.environ).get("TORCH_EXTENSIONS_DIR")
+        if extensions:
+            remove_abandoned_build_locks(Path(extensions))
+
+
+def run_child(
+    command: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in a session of its own (:func:`child_session`) and collect its output, as
+    ``subprocess.run(command, capture_output=True, text=True)`` does.
+
+    Args:
+        command: the program and its arguments.
+        timeout: seconds the child may run; None for no limit (Ctrl-C still ends it).
+        env: the child's environment; None for this process's.
+
+    Returns:
+        Its exit status, stdout and stderr.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout``; it and everything it started are
+            killed by then, and the exception carries what the child wrote.
+    """
+    with child_session(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            _kill_session(child)  # then its output ends
+            stdout, stderr = child.communicate()
+            raise subprocess.TimeoutExpired(expired.cmd, expired.timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(list(command), child.returncode, stdout, stderr)
+
+
+def _kill_session(leader: subprocess.Popen[str]) -> None:
+    """SIGKILL every process of ``leader``'s session until none is left running (up to 60 s), and
+    reap the leader. A Ctrl-C meanwhile (``timeout -s INT`` sends two, a user may press it twice)
+    waits until this is done."""
+    with interrupts_deferred():
+        deadline = time.monotonic() + 60
+        while (left := session_processes(leader.pid)) and time.monotonic() < deadline:
+            for pid in left:
+                with suppress(ProcessLookupError):  # ended meanwhile
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        leader.wait()
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT off in the block, then raise the KeyboardInterrupt it would have raised (only
+    the main thread handles signals; elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
+def session_processes(session: int) -> list[int]:
+    """The processes of session ``session`` that have not ended (zombies hold nothing open)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        state, session_id = fields[0], int(fields[3])
+        if session_id == session and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def remove_abandoned_build_locks(extensions: Path) -> None:
+    """Remove the build locks under a torch extensions directory that no process holds.
+
+    torch's JIT build (``torch.utils.cpp_extension.load``, which DeepSpeed's op builders call)
+    takes ``<extensions>/<op>/lock`` by creating it and keeps it open until the build ends, then
+    deletes it; every other build or load of that op waits while the file exists. A process
+    killed half-way leaves the file behind, open in no process any more.
+
+    Args:
+        extensions: the directory (``TORCH_EXTENSIONS_DIR``).
+    """
+    locks = list(extensions.glob("*/lock"))
+    if not locks:
+        return
+    held = set()
+    for descriptor in Path("/proc").glob("[0-9]*/fd/*"):
+        with suppress(OSError):  # closed meanwhile
+            held.add(os.readlink(descriptor))
+    for lock in locks:
+        if os.path.realpath(lock) not in held:
+            lock.unlink(missing_ok=True)
 
 
 # -- optimizers against their references ----------------------------------------------------------

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,12 @@ pytest.importorskip("transformers")
 
 from tests.test_deepspeed import deepspeed_aio_missing
 
-pytestmark = pytest.mark.skipif(
-    deepspeed_aio_missing(), reason="DeepSpeed's async_io op needs Debian's libaio-dev"
-)
+from .helpers import run_child
+
+pytestmark = [
+    pytest.mark.skipif(deepspeed_aio_missing(), reason="DeepSpeed's async_io op needs Debian's libaio-dev"),
+    pytest.mark.usefixtures("deepspeed_ops"),
+]
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "bench_beyond_memory.py"
 LLAMA = ["--width", "512", "--layers", "8", "--length", "64", "--batch", "1"]
@@ -64,7 +68,7 @@ def train(
         "TIERSTORE_DEEPSPEED": "1" if variant == "tierstore" else "0",
         "MASTER_PORT": str(port),
     }
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=900, check=False)
+    done = run_child(command, env=environment, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     result: dict[str, Any] = json.loads(report.read_text())
     return result
@@ -74,10 +78,19 @@ def losses(report: dict[str, Any]) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in report["rows"]}
 
 
-def test_tierstore_fits_where_cpu_offload_does_not_and_trains_as_zero_infinity(tmp_path: Path) -> None:
-    tierstore = train("tierstore", tmp_path / "tierstore")
-    infinity = train("zero-infinity", tmp_path / "zero-infinity")
-    cpu_offload = train("cpu-offload", tmp_path / "cpu-offload")
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[Path]:
+    """The runs' directory, removed when the test ends, passed or failed: Trainer's checkpoints
+    (weights and ZeRO's optimizer state, every variant) and the NVMe state fill about 3 GB."""
+    directory = tmp_path / "runs"
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_tierstore_fits_where_cpu_offload_does_not_and_trains_as_zero_infinity(runs: Path) -> None:
+    tierstore = train("tierstore", runs / "tierstore")
+    infinity = train("zero-infinity", runs / "zero-infinity")
+    cpu_offload = train("cpu-offload", runs / "cpu-offload")
 
     assert tierstore["optimizer"] != infinity["optimizer"]  # the switch took effect
     assert losses(tierstore) == losses(infinity)
@@ -95,6 +108,6 @@ def test_tierstore_fits_where_cpu_offload_does_not_and_trains_as_zero_infinity(t
         tierstore["peak_rss_bytes"],
     )
 
-    resumed = train("tierstore", tmp_path / "tierstore", resume=str(tmp_path / "tierstore/out/checkpoint-2"))
+    resumed = train("tierstore", runs / "tierstore", resume=str(runs / "tierstore/out/checkpoint-2"))
     assert sorted(losses(resumed)) == [3, 4]
     assert losses(resumed) == {step: loss for step, loss in losses(tierstore).items() if step > 2}

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,16 @@ from tierstore.integrations.deepspeed.checkpoints import CHECKPOINT_INDEX
 from tierstore import ConfigError, UnsupportedVersionError
 from tierstore.demo import GPT, Linear
 
+from .helpers import child_session
+
 SMALL = ["--layers", "2", "--width", "256", "--heads", "4", "--vocab", "2048", "--sub-group-size", "1000000"]
 BF16_TOLERANCE = 2e-2  # relative; bf16 keeps 8 bits of mantissa
 
 
 @pytest.fixture
-def scratch(tmp_path: Path) -> Any:
-    """A directory on tmpfs when there is one (O_DIRECT works there on this kernel)."""
+def scratch(tmp_path: Path, deepspeed_ops: None) -> Any:
+    """A directory for the example's runs, on tmpfs when there is one (O_DIRECT works there on
+    this kernel); DeepSpeed's ops are built by then."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
     directory = base / f"tierstore-ds-{os.getpid()}-{tmp_path.name}"
     directory.mkdir()
@@ -47,20 +51,24 @@ def free_port() -> int:
 
 
 def train(*args: str, world: int = 1, output: Path) -> list[dict[str, Any]]:
-    """Run the example on ``world`` ranks; rank 0's rows."""
+    """Run the example on ``world`` ranks; rank 0's rows. Every rank is killed when one fails or
+    runs out of time."""
     port = str(free_port())
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tierstore.integrations.deepspeed.example", *args, "--json", str(output)],
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    # Generous: on a CPU without native bf16 the 10M-parameter runs take ~80 s each.
-    logs = [process.communicate(timeout=900)[0] for process in processes]
+    command = [sys.executable, "-m", "tierstore.integrations.deepspeed.example", *args, "--json", str(output)]
+    with ExitStack() as ranks:
+        processes = [
+            ranks.enter_context(
+                child_session(
+                    command,
+                    env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            for rank in range(world)
+        ]
+        # Generous: on a CPU without native bf16 the 10M-parameter runs take ~80 s each.
+        logs = [process.communicate(timeout=900)[0] for process in processes]
     for process, log in zip(processes, logs, strict=True):
         assert process.returncode == 0, log[-4000:]
     rows: list[dict[str, Any]] = json.loads(output.read_text())["rows"]

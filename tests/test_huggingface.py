@@ -30,6 +30,8 @@ from tierstore.integrations.deepspeed.config import parse_section
 from tests.test_deepspeed import BF16_TOLERANCE, deepspeed_aio_missing, free_port
 from tierstore import ConfigError, UnsupportedVersionError
 
+from .helpers import run_child
+
 pytestmark = pytest.mark.skipif(
     deepspeed_aio_missing(), reason="DeepSpeed's own NVMe offload (the baseline) needs Debian's libaio-dev"
 )
@@ -88,7 +90,7 @@ def trainer(
         "TIERSTORE_DEEPSPEED": "1" if enabled else "0",
         "MASTER_PORT": str(free_port()),
     }
-    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600, check=False)
+    return run_child(command, env=environment, timeout=600)
 
 
 def result(workdir: Path, name: str, run: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -97,8 +99,9 @@ def result(workdir: Path, name: str, run: subprocess.CompletedProcess[str]) -> d
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """On tmpfs when there is one (O_DIRECT works there on this kernel)."""
+def workdir(tmp_path_factory: pytest.TempPathFactory, deepspeed_ops: None) -> Any:
+    """The Trainer runs' directory, on tmpfs when there is one (O_DIRECT works there on this
+    kernel); DeepSpeed's ops are built by then."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("hf")
     directory = base / f"tierstore-hf-{os.getpid()}"
     directory.mkdir()
@@ -232,12 +235,5 @@ def test_the_environment_variable_enables_tierstore_through_the_installed_pth() 
     )
     for value, expected in (("1", "True"), ("0", "False")):
         environment = {**os.environ, "TIERSTORE_DEEPSPEED": value}
-        run = subprocess.run(
-            [sys.executable, "-c", probe],
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        run = run_child([sys.executable, "-c", probe], env=environment, timeout=300)
         assert run.stdout.strip().splitlines()[-1] == expected, run.stderr[-2000:]
