@@ -428,9 +428,10 @@ class TierStore(Closeable):
             A future that resolves once every object is cached.
 
         Raises:
-            InvalidKeyError, KeyNotFoundError: a bad or unknown key, before anything is loaded.
-            Through the future: CapacityError for an object larger than the whole cache budget,
-            or one the cache has no room for while objects whose write-back failed hold it.
+            InvalidKeyError: a bad key, before anything is loaded.
+            KeyNotFoundError: an unknown key, before anything is loaded.
+            CapacityError: (through the future) an object larger than the whole cache budget, or
+                one the cache has no room for while objects whose write-back failed hold it.
         """
         self._check_open()
         if isinstance(keys, str) or not isinstance(keys, Iterable):  # a str is one key per character
