@@ -116,6 +116,13 @@ class DeviceRuntime(Protocol):
         """Queue ``destination.copy_(source)`` on ``stream`` (any direction, any strides) and return
         at once."""
 
+    def launch(self, stream: object, work: Callable[[], object], name: str) -> None:
+        """Queue the kernels ``work`` launches on ``stream``: CUDA's runs ``work`` at once with
+        ``stream`` current (its kernels run asynchronously, in the stream's order); a simulated
+        device queues ``work`` itself, named ``name``, to run in the stream's order when the test
+        runs the stream. ``work`` must therefore hold every tensor it uses, not look them up when it
+        runs."""
+
     def query(self, event: object) -> bool:
         """Whether ``event`` has completed (never waits)."""
 
@@ -178,6 +185,11 @@ class CudaRuntime:
         assert isinstance(stream, torch.cuda.Stream)
         with torch.cuda.stream(stream):
             destination.copy_(source, non_blocking=True)
+
+    def launch(self, stream: object, work: Callable[[], object], name: str) -> None:
+        assert isinstance(stream, torch.cuda.Stream)
+        with torch.cuda.stream(stream):
+            work()
 
     def query(self, event: object) -> bool:
         assert isinstance(event, torch.cuda.Event)

@@ -261,6 +261,14 @@ class TierStore(Closeable):
                 opened.close()
             raise
 
+    @property
+    def device_runtime(self) -> DeviceRuntime:
+        """The device runtime the store's device copies and pinned memory go through (see
+        :mod:`tierstore.device`): CUDA's, or a test's simulated device. A workload that copies
+        between the store's memory and a device itself (an offloaded optimizer over GPU
+        parameters) uses the same one."""
+        return self._device.runtime
+
     def staging(
         self,
         owner: str,

@@ -192,6 +192,10 @@ class SimulatedDevice:
 
         self._queue(stream, Operation("copy", f"{source.nbytes} bytes", work=work))
 
+    def launch(self, stream: object, work: Callable[[], object], name: str) -> None:
+        assert isinstance(stream, SimulatedStream)
+        self.kernel(work, name, stream)
+
     def query(self, event: object) -> bool:
         assert isinstance(event, SimulatedEvent)
         return event.done
