@@ -64,8 +64,8 @@ class OffloadedAdamW(StagedOptimizer):
     for what a loaded one must satisfy).
 
     Args:
-        params: the parameters (contiguous CPU tensors, each listed once) or parameter groups, as
-            for ``torch.optim.AdamW``.
+        params: the parameters (contiguous tensors, each listed once, all in host memory or all
+            on one GPU) or parameter groups, as for ``torch.optim.AdamW``.
         store: the store holding the fp32 state (master weights and moments).
         lr: the learning rate.
         betas: the coefficients of the running averages of the gradient and its square, each in
@@ -95,12 +95,17 @@ class OffloadedAdamW(StagedOptimizer):
             lifetime (see :class:`StagedOptimizer`).
         compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
             torch's setting (at least one), leaving a core to the store's I/O.
+        gpu_budget: parameters on a GPU only: bytes of GPU memory for sub-groups that stay there
+            between steps (an int, or text such as ``"4GiB"``), which then never cross the bus;
+            None or 0 for none (see :mod:`tierstore.optimizer.device`).
 
     Raises:
         ConfigError: an argument or group key of the wrong type or out of range, or asking for a
             kernel other than torch's fused AdamW (the message names it), a parameter listed twice,
-            or a ``DTensor`` parameter (FSDP2's shards).
-        BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+            a ``DTensor`` parameter (FSDP2's shards), or a ``gpu_budget`` for parameters in host
+            memory.
+        BufferMismatchError: a parameter that is not a contiguous tensor in host memory or on a
+            GPU, or one on another device than the first (the message names it).
         CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
             buffer), or does not fit beside the store's other reservations.
         NamespaceInUseError: ``namespace`` is already claimed on the store.
@@ -131,6 +136,7 @@ class OffloadedAdamW(StagedOptimizer):
         cache_policy: CachePolicy = "model",
         namespace: str = "adamw",
         compute_threads: int | None = None,
+        gpu_budget: int | str | None = None,
     ) -> None:
         hyperparameters = {
             "lr": lr,
@@ -157,6 +163,7 @@ class OffloadedAdamW(StagedOptimizer):
             cache_policy=cache_policy,
             namespace=namespace,
             compute_threads=compute_threads,
+            gpu_budget=gpu_budget,
             whole_params=False,
         )
 
@@ -216,9 +223,7 @@ class OffloadedAdamW(StagedOptimizer):
             part: [row[piece.offset : piece.offset + piece.length] for piece, _ in grads]
             for part, row in self._rows(sg, state).items()
         }
-        steps = [
-            torch.tensor(float(self.param_steps[piece.param])) for piece, _ in grads
-        ]  # own bias corrections
+        steps = [self._step_tensor(self.param_steps[piece.param]) for piece, _ in grads]  # own corrections
         # An fp32 parameter's own memory is its master weights; the others' are in the state.
         weights = [
             self._window(piece) if self._own_masters[piece.param] else windows["master_param"][number]

@@ -14,6 +14,11 @@ implementation), operation for operation, with its hyper-parameters, groups, see
 the tests hold this to it. Sub-groups hold whole parameters (APOLLO projects whole matrices), laid
 out per parameter ``master | exp_avg | exp_avg_sq | scaled-gradient norm``; an fp32 parameter is its
 own master weights, updated in place, and its state starts at ``exp_avg``.
+
+Over parameters on a GPU the update runs there (the engine's device path), each projection drawn
+by the GPU's generator as ``apollo_torch`` draws it there; the scalar factors (tensor scaling, the
+norm-growth limiter) are read by the host, which so waits for the device once per matrix (the
+copies of the next and last sub-groups go on meanwhile).
 """
 
 from __future__ import annotations
@@ -99,8 +104,9 @@ class OffloadedAPOLLO(StagedOptimizer):
     its state) and a low-precision one has fp32 master weights in the state.
 
     Args:
-        params: the parameters (contiguous CPU tensors, each listed once) or parameter groups
-            with the keys above, as for ``apollo_torch.APOLLOAdamW``.
+        params: the parameters (contiguous tensors, each listed once, all in host memory or all
+            on one GPU) or parameter groups with the keys above, as for
+            ``apollo_torch.APOLLOAdamW``.
         store: the store holding the fp32 state (master weights, moments and limiter norms).
         lr: the learning rate.
         betas: the coefficients of the running averages of the (projected) gradient and its
@@ -126,12 +132,17 @@ class OffloadedAPOLLO(StagedOptimizer):
             lifetime (see :class:`StagedOptimizer`).
         compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
             torch's setting (at least one), leaving a core to the store's I/O.
+        gpu_budget: parameters on a GPU only: bytes of GPU memory for sub-groups that stay there
+            between steps (an int, or text such as ``"4GiB"``), which then never cross the bus;
+            None or 0 for none (see :mod:`tierstore.optimizer.device`).
 
     Raises:
         ConfigError: an argument or group key of the wrong type or out of range (the message
-            names it; ``maximize`` and ``amsgrad`` as group keys), a parameter listed twice, or a
-            ``DTensor`` parameter (FSDP2's shards).
-        BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+            names it; ``maximize`` and ``amsgrad`` as group keys), a parameter listed twice, a
+            ``DTensor`` parameter (FSDP2's shards), or a ``gpu_budget`` for parameters in host
+            memory.
+        BufferMismatchError: a parameter that is not a contiguous tensor in host memory or on a
+            GPU, or one on another device than the first (the message names it).
         CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
             buffer), or does not fit beside the store's other reservations.
         NamespaceInUseError: ``namespace`` is already claimed on the store.
@@ -164,6 +175,7 @@ class OffloadedAPOLLO(StagedOptimizer):
         cache_policy: CachePolicy = "model",
         namespace: str = "apollo",
         compute_threads: int | None = None,
+        gpu_budget: int | str | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -190,6 +202,7 @@ class OffloadedAPOLLO(StagedOptimizer):
             cache_policy=cache_policy,
             namespace=namespace,
             compute_threads=compute_threads,
+            gpu_budget=gpu_budget,
             whole_params=True,
         )
         self.seeds = [number + 1 for number in range(len(self.params))]
@@ -343,7 +356,8 @@ class OffloadedAPOLLO(StagedOptimizer):
         if slot.side is not None:  # APOLLO step 1: the gradient in the low-rank space
             if (step - 1) % group["update_proj_gap"] == 0 and step > 1:
                 self.seeds[param] = next_seed(self.seeds[param])
-            projection = random_projection(slot.shape, group["rank"], slot.side, self.seeds[param])
+            seed = self.seeds[param]
+            projection = random_projection(slot.shape, group["rank"], slot.side, seed, grad.device)
             moment_grad = grad @ projection.t() if slot.side == "right" else projection.t() @ grad
         beta1, beta2 = group["betas"]
         exp_avg.mul_(beta1).add_(moment_grad, alpha=1.0 - beta1)
@@ -383,13 +397,17 @@ class OffloadedAPOLLO(StagedOptimizer):
             master.add_(master, alpha=-group["lr"] * group["weight_decay"])
 
 
-def random_projection(shape: torch.Size, rank: int, side: str, seed: int) -> torch.Tensor:
+def random_projection(
+    shape: torch.Size, rank: int, side: str, seed: int, device: torch.device | None = None
+) -> torch.Tensor:
     """``apollo_torch``'s projection: standard normal entries from ``seed``, over sqrt(rank);
-    (rank x columns) applied from the right, (rows x rank) from the left."""
+    (rank x columns) applied from the right, (rows x rank) from the left; drawn by a generator on
+    ``device`` (default the CPU), where the gradient is, as ``apollo_torch`` draws it (a GPU's
+    generator draws other numbers than the CPU's from the same seed)."""
     rows, columns = shape
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device or "cpu").manual_seed(seed)
     size = (rank, columns) if side == "right" else (rows, rank)
-    return torch.randn(size, generator=generator, dtype=torch.float32) / math.sqrt(rank)
+    return torch.randn(size, generator=generator, dtype=torch.float32, device=device) / math.sqrt(rank)
 
 
 def next_seed(seed: int) -> int:

@@ -19,6 +19,13 @@ for every optimizer:
    for one that needs them (APOLLO's projections). No fp32 gradient is ever written to storage;
 4. checkpoints the sub-group objects and the step counts into one HDF5 file.
 
+Parameters on a GPU take the device path (:mod:`tierstore.optimizer.device`), chosen at
+construction by where the parameters are: the same schedule, the same layouts and kernels, with the
+state streamed from the store through pinned host memory to the device a sub-group at a time (or
+kept there within ``gpu_budget``), the gradient norm taken on the device (one wait of the host for
+it per step), and each sub-group's gradients converted into a device buffer: no gradient leaves the
+device. The CPU path is the loop above, untouched by it.
+
 Master weights: a low-precision (bf16, fp16) parameter's fp32 master weights are part of its
 sub-group's state, and the model receives them rounded after each update. An fp32 parameter is
 its own master: the kernel updates the parameter in place and the state holds no copy of it, so
@@ -35,17 +42,18 @@ import math
 import os
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
 
-from .._checks import is_integer
+from .._checks import SIZE_REQUIREMENT, byte_count, is_integer
 from ..buffers import aligned_tensor
 from ..errors import BufferMismatchError, ConfigError, StoreClosedError, TierStoreError
 from ..snapshot import export_hdf5, open_snapshot
 from ..store import TierStore
+from .device import DEVICE_BLOCK, DeviceStager, device_bytes
 from .options import CachePolicy
 from .partition import KERNEL_ALIGNMENT, Piece, SubGroup, cut_length, partition, partition_whole
 from .staging import FP32, SubGroupStager, pass_order
@@ -53,6 +61,10 @@ from .staging import FP32, SubGroupStager, pass_order
 GRADIENT_CHUNK = 1 << 19
 """fp32 elements converted at a time for the norm and for element-wise kernels (2 MiB: sized so
 that, with the state it is combined with, it stays in a CPU's cache)."""
+
+DEVICE_GRADIENT_CHUNK = 1 << 24
+"""fp32 elements converted at a time for element-wise kernels on a device (64 MiB: few kernel
+launches per sub-group, little device memory beside the slots)."""
 
 
 class StaleMasterWeightsError(BufferMismatchError):
@@ -101,16 +113,22 @@ class StagedOptimizer(torch.optim.Optimizer):
     group's :attr:`LAYOUT_KEYS` fix the layout of its state in the store, so they cannot change
     once the group is added.
 
+    The parameters are all in host memory (the CPU path) or all on one GPU (the device path, see
+    the module docstring and :mod:`tierstore.optimizer.device`); whichever the first parameter's
+    place is, every later one (added groups included) must share it.
+
     Args:
-        params: the parameters (contiguous CPU tensors, each listed once) or parameter groups
-            (dicts with ``params`` and hyper-parameter keys), as for ``torch.optim.Optimizer``.
-        store: the store holding the fp32 state.
+        params: the parameters (contiguous tensors, each listed once, all on the CPU or all on one
+            GPU) or parameter groups (dicts with ``params`` and hyper-parameter keys), as for
+            ``torch.optim.Optimizer``.
+        store: the store holding the fp32 state; its device runtime
+            (:attr:`~tierstore.TierStore.device_runtime`) makes the device path's copies.
         defaults: the hyper-parameters a group takes for the keys it leaves out.
         sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
         max_grad_norm: clip the global gradient norm to this; None for no clipping.
         dram_budget: bytes of fp32 DRAM the optimizer holds (an int, or text such as ``"64MiB"``):
-            read-ahead ring, gradient buffer and sub-groups kept between steps; None for the ring
-            and the gradient buffer only.
+            read-ahead ring, gradient buffer (CPU path only) and sub-groups kept between steps
+            (pinned on the device path); None for the ring and the gradient buffer only.
         prefetch_depth: sub-groups read ahead of the one being updated.
         cache_policy: which sub-groups stay in DRAM between steps: ``"model"`` (the I/O model's
             choice), ``"static"`` (the last that fit) or ``"none"``.
@@ -119,14 +137,20 @@ class StagedOptimizer(torch.optim.Optimizer):
             parameters) instead of cutting parameters at sub-group boundaries.
         compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
             torch's setting (at least one).
+        gpu_budget: bytes of GPU memory for sub-groups that stay on the GPU between steps (an int,
+            or text such as ``"4GiB"``; parameters on a GPU only): no copy crosses the bus for
+            those. None or 0 for none.
 
     Raises:
         ConfigError: an argument or hyper-parameter of the wrong type or out of range, a
             parameter listed twice, a ``DTensor`` parameter where :attr:`SHARDED_PARAMETERS`
-            refuses them, or a namespace that is not a valid key; the message names it.
-        BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+            refuses them, a namespace that is not a valid key, or a ``gpu_budget`` for parameters
+            in host memory; the message names it.
+        BufferMismatchError: a parameter that is not a contiguous tensor in host memory or on a
+            GPU, or one on another device than the first parameter (the message names it).
         CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
             buffer), or does not fit beside the store's other reservations.
+        PinnedMemoryError: parameters on a GPU, and the pinned ring could not be page-locked.
         NamespaceInUseError: ``namespace`` is already claimed on the store.
     """
 
@@ -159,6 +183,7 @@ class StagedOptimizer(torch.optim.Optimizer):
         namespace: str,
         whole_params: bool,
         compute_threads: int | None = None,
+        gpu_budget: int | str | None = None,
     ) -> None:
         if not is_integer(sub_group_size) or sub_group_size < 1:
             raise ConfigError(f"sub_group_size: must be a positive integer, got {sub_group_size!r}")
@@ -171,25 +196,54 @@ class StagedOptimizer(torch.optim.Optimizer):
         self._own_masters: list[bool] = []
         """Per parameter (in :attr:`params` order), whether it is fp32 and so its own master
         weights (none in the state), as it was when its group was added."""
+        gpu_bytes = None if gpu_budget is None else byte_count(gpu_budget)
+        if gpu_budget is not None and gpu_bytes is None:
+            raise ConfigError(f"gpu_budget: must be {SIZE_REQUIREMENT}, not {gpu_budget!r}")
+        self.store = store
+        self.device: torch.device | None = None
+        """The GPU the parameters are on (the device path), or None for parameters in host memory;
+        set by the first parameter."""
+        self._placed = False
+        """Whether the first parameter has set :attr:`device`."""
         super().__init__(params, defaults)  # add_param_group per group
         self.compute_threads = compute_threads
-        self.store = store
         self.max_grad_norm = max_grad_norm
         self.sub_group_size = sub_group_size
         self.whole_params = whole_params
         self.params = [p for group in self.param_groups for p in group["params"]]
         self.subgroups: list[SubGroup] = []
         self.subgroups = self._partition(0)
-        self.stager = SubGroupStager(
-            store,
-            namespace,
-            slot_elements=max((self.state_numel(sg) for sg in self.subgroups), default=1),
-            dram_budget=dram_budget,
-            prefetch_depth=prefetch_depth,
-            cache_policy=cache_policy,
-            reserved_bytes=FP32 * self._gradient_numel(self.subgroups),
-            owner=type(self).__name__,
-        )
+        slot_elements = max((self.state_numel(sg) for sg in self.subgroups), default=1)
+        self.stager: SubGroupStager
+        if self.device is None:
+            if gpu_bytes:
+                raise ConfigError(
+                    f"gpu_budget: {gpu_budget!r} for parameters in host memory; it is GPU memory for the "
+                    "state of parameters on a GPU: leave it None (or 0), or move the model to the GPU first"
+                )
+            self.stager = SubGroupStager(
+                store,
+                namespace,
+                slot_elements=slot_elements,
+                dram_budget=dram_budget,
+                prefetch_depth=prefetch_depth,
+                cache_policy=cache_policy,
+                reserved_bytes=FP32 * self._gradient_numel(self.subgroups),
+                owner=type(self).__name__,
+            )
+        else:
+            self.stager = DeviceStager(
+                store,
+                namespace,
+                device=self.device,
+                runtime=store.device_runtime,
+                gpu_budget=gpu_bytes or 0,
+                slot_elements=slot_elements,
+                dram_budget=dram_budget,
+                prefetch_depth=prefetch_depth,
+                cache_policy=cache_policy,
+                owner=type(self).__name__,
+            )
         self.step_count = 0
         """Steps taken (overflow-skipped ones excluded); the sub-group order alternates with it."""
         self.param_steps = [0] * len(self.params)
@@ -198,10 +252,18 @@ class StagedOptimizer(torch.optim.Optimizer):
         self.compute_seconds = 0.0
         """Wall seconds the last step spent in its own work (norm, conversion, kernels, copies into
         the model) rather than waiting on the store: the compute term of the I/O model's
-        :func:`~tierstore.model.plan_pass`."""
-        self._grad = aligned_tensor(self._gradient_numel(self.subgroups))
+        :func:`~tierstore.model.plan_pass`. On the device path, the host's part of that work (the
+        norm and launching the kernels, which run on the device meanwhile)."""
+        self._grad = (
+            aligned_tensor(self._gradient_numel(self.subgroups)) if self.device is None else _NO_GRADIENTS
+        )
         """The fp32 gradient buffer: a whole sub-group's for ``whole_params`` optimizers (their
-        kernels need whole parameters), else :data:`GRADIENT_CHUNK` elements."""
+        kernels need whole parameters), else :data:`GRADIENT_CHUNK` elements. On the device path,
+        device memory (of :data:`DEVICE_GRADIENT_CHUNK` elements there) made for each step and bound
+        to it while its kernels run (:meth:`_update_on_device`)."""
+        self._step_tensor: Callable[[int], torch.Tensor] = _host_step_tensor
+        """A parameter's step count as the fused kernels take it (a 0-d fp32 tensor where they run);
+        bound to a step's device scalars on the device path."""
         try:
             self._write_all(None)
         except BaseException:
@@ -256,13 +318,15 @@ class StagedOptimizer(torch.optim.Optimizer):
         growing if the new sub-groups are larger. If any of that fails, the group is not added.
 
         Args:
-            param_group: ``params`` (contiguous CPU tensors, each listed once) and the group's
-                hyper-parameters; keys it leaves out take the constructor's values.
+            param_group: ``params`` (contiguous tensors on the device of the optimizer's others,
+                each listed once) and the group's hyper-parameters; keys it leaves out take the
+                constructor's values.
 
         Raises:
             ConfigError: a parameter listed twice (torch warns and updates it twice), a refused
                 ``DTensor`` parameter, or an invalid hyper-parameter; the message names the key.
-            BufferMismatchError: a parameter that is not a contiguous CPU tensor.
+            BufferMismatchError: a parameter that is not a contiguous tensor in host memory or on
+                a GPU, or one on another device than the optimizer's other parameters.
             CapacityError: a given ``dram_budget`` cannot hold the new, larger sub-groups.
             StoreClosedError: the optimizer is closed.
         """
@@ -283,19 +347,21 @@ class StagedOptimizer(torch.optim.Optimizer):
                 seen.add(id(param))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        placed = self._placed
         try:
-            for param in group["params"]:
+            for position, param in enumerate(group["params"]):
                 if self.SHARDED_PARAMETERS is not None and _is_dtensor(param):
                     raise ConfigError(
                         f"param_groups.{number}.params: a DTensor parameter of shape {tuple(param.shape)} "
                         f"(sharded by FSDP2 or tensor parallelism); {type(self).__name__} cannot step it: "
                         f"{self.SHARDED_PARAMETERS}"
                     )
-                if not param.is_contiguous() or param.device.type != "cpu":
-                    raise BufferMismatchError(f"{type(self).__name__} needs contiguous CPU parameters")
+                self._check_place(param, f"param_groups.{number}.params.{position}")
             self._check_group(group, f"param_groups.{number}.")
         except BaseException:
             self.param_groups.pop()
+            if not placed:
+                self._placed, self.device = False, None
             raise
         self._layouts.append({key: group.get(key) for key in self.LAYOUT_KEYS})
         self._own_masters.extend(self._is_own_master(param) for param in group["params"])
@@ -357,6 +423,9 @@ class StagedOptimizer(torch.optim.Optimizer):
         # over the gradients, time the disk would otherwise sit idle.
         self.stager.begin_pass(order, {sg.index: self.state_numel(sg) for sg in self.subgroups})
         try:
+            if isinstance(self.stager, DeviceStager):
+                self._step_on_device(self.stager, grad_scale)
+                return loss
             with _torch_threads(self.compute_threads):
                 started = time.perf_counter()
                 coefficient = self._gradient_coefficient(grad_scale)
@@ -364,10 +433,7 @@ class StagedOptimizer(torch.optim.Optimizer):
                 if coefficient is None:
                     self.skipped_steps += 1
                     return loss
-                self.step_count += 1
-                for number, param in enumerate(self.params):
-                    if param.grad is not None:
-                        self.param_steps[number] += 1
+                self._count_step()
                 for index in order:
                     state = self.stager.acquire(index)
                     started = time.perf_counter()
@@ -378,6 +444,76 @@ class StagedOptimizer(torch.optim.Optimizer):
         finally:
             self.stager.end_pass()
         return loss
+
+    def _count_step(self) -> None:
+        """A step is taken: counted, and for each parameter with a gradient (its bias correction)."""
+        self.step_count += 1
+        for number, param in enumerate(self.params):
+            if param.grad is not None:
+                self.param_steps[number] += 1
+
+    def _step_on_device(self, stager: DeviceStager, grad_scale: float) -> None:
+        """The update of a step on the device path (its pass begun): the gradient norm on the
+        device, read once by the host (overflow and clipping), then every sub-group through
+        :meth:`DeviceStager.run_pass`, its kernels queued on the caller's current stream."""
+        started = time.perf_counter()
+        coefficient = self._device_coefficient(stager, grad_scale)
+        compute = time.perf_counter() - started
+        if coefficient is None:
+            self.skipped_steps += 1
+            return
+        self._count_step()
+        device = self._local(self.params[0]).device  # torch's place of the parameters' memory
+        buffers = _DeviceBuffers(stager.empty(self._gradient_numel(self.subgroups)), device)
+        stager.run_pass(functools.partial(self._update_on_device, buffers, coefficient))
+        self.compute_seconds = compute + buffers.seconds
+
+    def _update_on_device(
+        self, buffers: _DeviceBuffers, coefficient: float, index: Hashable, state: torch.Tensor
+    ) -> None:
+        """:meth:`_update` of sub-group ``index`` on the device, with the step's device buffers
+        (bound while it runs: the runtime may run it after the pass has moved on, a simulated
+        device when the test runs the stream)."""
+        assert isinstance(index, int)
+        started = time.perf_counter()
+        self._grad, self._step_tensor = buffers.grad, buffers.step_tensor
+        try:
+            self._update(self.subgroups[index], state, coefficient)
+        finally:  # the step's device memory is not held past its kernels
+            self._grad, self._step_tensor = _NO_GRADIENTS, _host_step_tensor
+        buffers.seconds += time.perf_counter() - started
+
+    def _device_coefficient(self, stager: DeviceStager, grad_scale: float) -> float | None:
+        """:meth:`_gradient_coefficient` from the gradients' sum of squares taken on the device
+        (:meth:`_device_squares`, queued on the caller's stream); the host waits for that one
+        value."""
+        squares: list[torch.Tensor] = []
+        stager.launch(lambda: squares.append(self._device_squares()), "gradient norm")
+        stager.synchronize()
+        return self._coefficient(math.sqrt(float(squares[0])) / grad_scale, grad_scale)
+
+    def _device_squares(self) -> torch.Tensor:
+        """The gradients' sum of squares on the device (a 0-d fp32 tensor; torch's per-tensor fp32
+        norms, as ``clip_grad_norm_`` takes them, of gradients of any dtype)."""
+        grads = [self._local(param.grad) for param in self.params if param.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        return torch.stack(norms).square().sum()
+
+    @property
+    def device_staging_bytes(self) -> int:
+        """Device path: the device memory a step allocates beyond the sub-groups kept on the device
+        (``gpu_budget``), at most, in the caching allocator's blocks: the stager's slots (three
+        sub-groups' state), the fp32 gradient buffer, and the scalars, an allocator block (512
+        bytes) per parameter (the norm's per-tensor values, or the step counts) and three vectors
+        of a value per parameter (the norm's reductions). 0 on the CPU path."""
+        if not isinstance(self.stager, DeviceStager):
+            return 0
+        gradient = device_bytes(FP32 * self._gradient_numel(self.subgroups))
+        count = len(self.params)
+        scalars = DEVICE_BLOCK * count + 3 * device_bytes(FP32 * count)
+        return self.stager.slot_device_bytes + gradient + scalars
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state, in ``torch.optim``'s format.
@@ -591,7 +727,7 @@ class StagedOptimizer(torch.optim.Optimizer):
                 continue
             weights = self._local(param).detach()
             master = self._local(entry["master_param"]).detach()
-            if not _same_bits(master.to(weights.dtype), weights):
+            if not _same_bits(master.to(device=weights.device, dtype=weights.dtype), weights):
                 stale.append(number)
         if stale:
             raise stale_masters_error("the state dict", stale, [tuple(self.params[n].shape) for n in stale])
@@ -604,11 +740,33 @@ class StagedOptimizer(torch.optim.Optimizer):
             if all(self._own_masters[piece.param] for piece in sg.pieces):
                 continue  # no master weights in its state: nothing to read
             for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+                window = self._window(piece)
                 if not self._own_masters[piece.param] and not _same_bits(
-                    values.to(self._window(piece).dtype), self._window(piece)
+                    values.to(device=window.device, dtype=window.dtype), window
                 ):
                     stale.add(piece.param)
         return sorted(stale)
+
+    def _check_place(self, param: torch.Tensor, where: str) -> None:
+        """Refuse a parameter that is not a contiguous tensor in host memory or on a GPU, or one on
+        another device than the first parameter (which sets :attr:`device`), with a
+        :class:`BufferMismatchError` naming it (``where``)."""
+        local = self._local(param)
+        device = self.store.device_runtime.device_of(local)
+        if not param.is_contiguous() or (device is None and local.device.type != "cpu"):
+            raise BufferMismatchError(
+                f"{where}: {type(self).__name__} needs contiguous parameters in host memory or on a GPU; "
+                f"this one (shape {tuple(param.shape)}) is "
+                + ("not contiguous" if not param.is_contiguous() else f"on {local.device}")
+            )
+        if not self._placed:
+            self.device, self._placed = device, True
+        elif device != self.device:
+            raise BufferMismatchError(
+                f"{where}: a parameter of shape {tuple(param.shape)} is {_place(device)}, the optimizer's "
+                f"others {_place(self.device)}: an offloaded optimizer steps parameters all in host memory "
+                "or all on one GPU (its state is staged for one of them); move the model to one device first"
+            )
 
     def _local(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part of a parameter (or of a tensor shaped like one) the optimizer steps: the whole
@@ -647,7 +805,8 @@ class StagedOptimizer(torch.optim.Optimizer):
     def _gradient_numel(self, subgroups: list[SubGroup]) -> int:
         """Elements of the fp32 gradient buffer ``subgroups`` need."""
         largest = max((sg.numel for sg in subgroups), default=1)
-        return largest if self.whole_params else min(largest, GRADIENT_CHUNK)
+        chunk = GRADIENT_CHUNK if self.device is None else DEVICE_GRADIENT_CHUNK
+        return largest if self.whole_params else min(largest, chunk)
 
     def _add_subgroups(self, group: int) -> None:
         """Stage the parameters of a group added after construction: new sub-groups, their fresh
@@ -667,7 +826,7 @@ class StagedOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             self._layouts.pop()
             raise
-        if self._grad.numel() < self._gradient_numel(added):
+        if self.device is None and self._grad.numel() < self._gradient_numel(added):
             self._grad = aligned_tensor(self._gradient_numel(added))
         self.param_steps.extend([0] * (len(self.params) - first))
         self.subgroups.extend(added)
@@ -750,7 +909,11 @@ class StagedOptimizer(torch.optim.Optimizer):
     def _gradient_coefficient(self, grad_scale: float) -> float | None:
         """1/grad_scale times the clipping factor, or None if the gradients overflowed."""
         squares = sum(self._squares(param.grad) for param in self.params if param.grad is not None)
-        total = math.sqrt(squares) / grad_scale
+        return self._coefficient(math.sqrt(squares) / grad_scale, grad_scale)
+
+    def _coefficient(self, total: float, grad_scale: float) -> float | None:
+        """From the unscaled gradient norm ``total``: 1/grad_scale times the clipping factor, or None
+        if it is not finite (the gradients overflowed)."""
         if not math.isfinite(total):
             return None
         coefficient = 1.0 / grad_scale
@@ -813,6 +976,46 @@ class StagedOptimizer(torch.optim.Optimizer):
             groups[-1]["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
         return groups
+
+
+_NO_GRADIENTS = torch.empty(0, dtype=torch.float32)
+"""The device path's gradient buffer between steps: none (each step makes its own)."""
+
+
+class _DeviceBuffers:
+    """What one step's kernels on the device share: the fp32 gradient buffer (device memory of the
+    caller's stream) and the step counts as 0-d fp32 tensors on the device, made by the first
+    kernel that needs each count.
+
+    Args:
+        grad: the gradient buffer.
+        device: where torch places the parameters' memory (for the step counts).
+    """
+
+    def __init__(self, grad: torch.Tensor, device: torch.device) -> None:
+        self.grad = grad
+        self.device = device
+        self.steps: dict[int, torch.Tensor] = {}
+        self.seconds = 0.0
+        """Host seconds spent queueing the step's kernels."""
+
+    def step_tensor(self, count: int) -> torch.Tensor:
+        """``count`` as a 0-d fp32 tensor on the device (filled by a kernel, no copy from the
+        host)."""
+        tensor = self.steps.get(count)
+        if tensor is None:
+            tensor = self.steps[count] = torch.full((), float(count), dtype=torch.float32, device=self.device)
+        return tensor
+
+
+def _place(device: torch.device | None) -> str:
+    """Where parameters are, in words."""
+    return "in host memory" if device is None else f"on {device}"
+
+
+def _host_step_tensor(count: int) -> torch.Tensor:
+    """A step count as torch's fused CPU kernels take it: a 0-d fp32 CPU tensor."""
+    return torch.tensor(float(count))
 
 
 def _is_dtensor(param: torch.Tensor) -> bool:

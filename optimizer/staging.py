@@ -17,8 +17,10 @@ buffers the size of the largest sub-group and the caller's own gradient buffer (
 and the area's pool over the rest of the budget (page-rounded, as every buffer is), which holds
 kept sub-groups at their own size (so sub-groups of uneven size, APOLLO's whole parameters say, are kept
 by bytes, not by count) and lends the ring extra buffers while it has room. The buffers are not
-pinned: both optimizers update their state on the CPU, and no device copy reads them. The
-optimizer's state layout is its own: the stager sees only a named fp32 object per sub-group.
+pinned: an optimizer over CPU parameters updates its state on the CPU, and no device copy reads
+them (:class:`~tierstore.optimizer.device.DeviceStager`, the stager of an optimizer over GPU
+parameters, pins them). The optimizer's state layout is its own: the stager sees only a named fp32
+object per sub-group.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import ClassVar
 
 import torch
 
@@ -113,7 +116,7 @@ class SubGroupStager:
         self.prefetch_depth = prefetch_depth
         self.cache_policy = cache_policy
         self.slot_bytes = FP32 * max(slot_elements, 1)
-        self.working_bytes = prefetch_depth * self.slot_bytes + reserved_bytes
+        self.working_bytes = self.ring_size * self.slot_bytes + reserved_bytes
         """DRAM a pass needs whatever it keeps: the ring and the caller's own (gradient) buffer."""
         self.reserved_bytes = reserved_bytes
         working = self.working_bytes
@@ -123,7 +126,7 @@ class SubGroupStager:
         if budget < working:
             raise CapacityError(
                 f"dram_budget of {budget} bytes is below the working set of {working} bytes "
-                f"({prefetch_depth} sub-group buffers of {self.slot_bytes}"
+                f"({self.ring_size} sub-group buffers of {self.slot_bytes}"
                 + (f" + {reserved_bytes} for gradients)" if reserved_bytes else ")")
             )
         try:
@@ -134,13 +137,17 @@ class SubGroupStager:
         self.namespace = self.claim.namespace
         try:
             self.area = store.staging(
-                f"optimizer {self.namespace}", budget, pin=False, pool_bytes=round_up(budget - working)
+                f"optimizer {self.namespace}", budget, pin=self.PINNED, pool_bytes=round_up(budget - working)
             )
         except BaseException:
             self._unclaim()
             raise
-        self.buffers = [aligned_tensor(self.slot_bytes // FP32) for _ in range(prefetch_depth)]
-        """The read-ahead ring: each buffer holds the largest sub-group."""
+        try:
+            self.buffers = self._new_ring(self.slot_bytes)
+            """The read-ahead ring: each buffer holds the largest sub-group."""
+        except BaseException:  # a pinned ring that could not be page-locked
+            self.abandon()
+            raise
         self._pooled: dict[int, AlignedBuffer] = {}
         """Pool buffers handed out, by the address of their fp32 view."""
         self._free: list[torch.Tensor] = list(self.buffers)
@@ -157,10 +164,28 @@ class SubGroupStager:
         self._pass: list[Hashable] | None = None
         """The order of the pass begun and not yet ended."""
 
+    PINNED: ClassVar[bool] = False
+    """Whether the buffers (ring and pool) are page-locked for copies to a device."""
+
+    RING_EXTRA: ClassVar[int] = 0
+    """Ring buffers beyond ``prefetch_depth``, one for each sub-group a pass holds at once (acquired
+    and not yet released) that the reads ahead and write-backs must not wait for: none here, where
+    the one sub-group being updated shares the ring with them."""
+
+    @property
+    def ring_size(self) -> int:
+        """Buffers of the read-ahead ring."""
+        return self.prefetch_depth + self.RING_EXTRA
+
     @property
     def dram_budget(self) -> int:
         """Bytes of DRAM the stager holds at most: the working set and the room to keep sub-groups."""
         return self.area.budget
+
+    @property
+    def held(self) -> list[Hashable]:
+        """The sub-groups acquired and not yet released (or discarded)."""
+        return list(self._held)
 
     @property
     def kept_bytes(self) -> int:
@@ -232,6 +257,15 @@ class SubGroupStager:
             self.resident[name] = kept
         self._read_ahead()
 
+    def discard(self, name: Hashable) -> None:
+        """Done with an acquired sub-group without writing it back (its state went elsewhere, or
+        the pass failed): its buffer is free again and the store keeps what it had."""
+        buffer = self._held.pop(name)
+        for outgrown in self._outgrown.pop(name, []):
+            self._give_back(outgrown)
+        self._give_back(buffer)
+        self._read_ahead()
+
     def end_pass(self) -> None:
         """End the pass: drop reads started for sub-groups that were never acquired; the last
         write-backs go on (see the class docstring)."""
@@ -295,7 +329,7 @@ class SubGroupStager:
         buffers are all free meanwhile.
 
         Returns:
-            The ring's ``prefetch_depth`` buffers of the largest sub-group's size each.
+            The ring's :attr:`ring_size` buffers of the largest sub-group's size each.
         """
         self.end_pass()
         self.flush()
@@ -314,14 +348,14 @@ class SubGroupStager:
         the kept sub-groups have been written back."""
         slot_bytes = max(self.slot_bytes, FP32 * slot_elements)
         reserved_bytes = max(self.reserved_bytes, reserved_bytes)
-        working = self.prefetch_depth * slot_bytes + reserved_bytes
+        working = self.ring_size * slot_bytes + reserved_bytes
         if working == self.working_bytes:
             return
         budget = working if self._budget_follows else self.dram_budget
         if budget < working:
             raise CapacityError(
                 f"dram_budget of {budget} bytes is below the working set of {working} bytes the added "
-                f"sub-groups need ({self.prefetch_depth} sub-group buffers of {slot_bytes} + "
+                f"sub-groups need ({self.ring_size} sub-group buffers of {slot_bytes} + "
                 f"{reserved_bytes} for gradients)"
             )
         self.end_pass()
@@ -329,7 +363,7 @@ class SubGroupStager:
         self.drop_resident()
         self.area.resize(budget, pool_bytes=round_up(budget - working))
         self.slot_bytes, self.reserved_bytes, self.working_bytes = slot_bytes, reserved_bytes, working
-        self.buffers = [aligned_tensor(slot_bytes // FP32) for _ in range(self.prefetch_depth)]
+        self.buffers = self._new_ring(slot_bytes)
         self._free = list(self.buffers)
 
     # -- the end --------------------------------------------------------------------------------------
@@ -356,6 +390,10 @@ class SubGroupStager:
         self.area.close()
 
     # -- internals ------------------------------------------------------------------------------
+    def _new_ring(self, slot_bytes: int) -> list[torch.Tensor]:
+        """The read-ahead ring's :attr:`ring_size` buffers of ``slot_bytes`` each."""
+        return [aligned_tensor(slot_bytes // FP32) for _ in range(self.ring_size)]
+
     def _read(self, name: Hashable, buffer: torch.Tensor) -> Future[torch.Tensor]:
         return self.store.get(self.key(name), out=buffer[: self._sizes[name]], cache=False)
 
