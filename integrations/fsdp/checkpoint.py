@@ -60,8 +60,10 @@ class _Placeholder:
 
 class StateStream:
     """The optimizer's state as DCP sees it during :func:`save` / :func:`load`: placeholder entries
-    (stride-0 tensors of the right shape and dtype, one fp32 value each) and the just-in-time copy
-    of one parameter's part between the store and a DCP buffer.
+    (stride-0 tensors of the right shape and dtype, one fp32 value each, on the shards' device) and
+    the just-in-time copy of one parameter's part between the store and a DCP buffer (host memory,
+    whatever the shards' device: the state streams between the store and the checkpoint without
+    crossing to a GPU).
 
     The sub-groups pass through the optimizer's own read-ahead ring (:meth:`SubGroupStager.lend_ring`),
     memory its DRAM budget already counts: a sub-group read for one entry stays there for the
@@ -120,7 +122,10 @@ class StateStream:
         }
 
     def _placeholder(self, number: int, part: str, param: torch.Tensor) -> torch.Tensor:
-        local = torch.zeros((), dtype=torch.float32).expand(local_shard(param).shape)
+        # On the shard's device: a DTensor moves a local tensor to its mesh's device, which would
+        # give it memory of its own and another address.
+        shard = local_shard(param)
+        local = torch.zeros((), dtype=torch.float32, device=shard.device).expand(shard.shape)
         self.placeholders[local.data_ptr()] = _Placeholder(number, part)
         return like_parameter(param, local)
 

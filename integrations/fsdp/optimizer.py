@@ -18,6 +18,12 @@ Parameters that are not ``DTensor``s (modules left out of ``fully_shard``) are r
 stages their whole state, and gradient clipping counts them once (their squared norm averaged over
 the ranks). Gradient clipping (``max_grad_norm``) takes one all-reduce of the squared norm; torch's
 ``clip_grad_norm_`` on the ``DTensor`` gradients works as well.
+
+Shards on GPUs (the usual FSDP2 setup, NCCL process groups) take the engine's device path
+(:mod:`tierstore.optimizer.device`): each rank streams its shards' state between its store and its
+GPU and updates it there, ``gpu_budget`` bytes of it kept on the GPU; the squared norm is summed on
+the GPU and all-reduced there, and the host reads it once per step. Shards in host memory (gloo)
+step on the CPU.
 """
 
 from __future__ import annotations
@@ -124,15 +130,19 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
             torch's setting (at least one).
         process_group: the group the gradient norm is summed over; None for the parameters'
             mesh's.
+        gpu_budget: shards on GPUs only: bytes of this rank's GPU memory for sub-groups that
+            stay there between steps; None or 0 for none.
 
     Raises:
         FSDPSetupError: no parameter is a ``DTensor`` (the model is not sharded); ``DTensor``
             parameters sharded otherwise than by rows over a 1-D mesh (HSDP, tensor
-            parallelism), on different meshes, or on a device other than the CPU; parameters of
-            mixed dtypes (some shards fp32, some not); or a ``CPUOffloadPolicy`` model.
+            parallelism) or on different meshes; parameters of mixed dtypes (some shards fp32,
+            some not); or a ``CPUOffloadPolicy`` model.
         ConfigError: a hyper-parameter or staging argument of the wrong type or out of range, or
-            asking for a kernel other than torch's fused AdamW (the message names it), or a
-            parameter listed twice.
+            asking for a kernel other than torch's fused AdamW (the message names it), a
+            parameter listed twice, or a ``gpu_budget`` for shards in host memory.
+        BufferMismatchError: shards on different devices (some in host memory, some on a GPU);
+            the message names the parameter.
         CapacityError: ``dram_budget`` is below the working set, or does not fit beside the
             store's other reservations.
         NamespaceInUseError: ``namespace`` is already claimed on the store.
@@ -163,6 +173,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         namespace: str | None = None,
         compute_threads: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        gpu_budget: int | str | None = None,
     ) -> None:
         if isinstance(params, nn.Module):
             check_fsdp_model(params)
@@ -208,6 +219,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
             cache_policy=cache_policy,
             namespace=f"rank{rank}/adamw" if namespace is None else namespace,
             compute_threads=compute_threads,
+            gpu_budget=gpu_budget,
         )
         self._params_added(len(self.params))
 
@@ -283,6 +295,22 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         if self.max_grad_norm is not None:
             coefficient *= min(1.0, self.max_grad_norm / (norm + 1e-6))  # as clip_grad_norm_
         return coefficient
+
+    def _device_squares(self) -> torch.Tensor:
+        """The device path's: the squared norm on this rank's GPU, sharded gradients counting
+        their local rows and replicated ones their squares averaged over the ranks, all-reduced
+        there (one collective on the caller's stream; the host waits for the sum only)."""
+        sharded = [local_shard(p.grad) for p in self.params if p.grad is not None and _is_sharded(p)]
+        replicated = [local_shard(p.grad) for p in self.params if p.grad is not None and not _is_sharded(p)]
+        world = dist.get_world_size(self.process_group)
+        total = torch.zeros((), dtype=torch.float32, device=self._local(self.params[0]).device)
+        for grads, weight in ((sharded, 1.0), (replicated, 1.0 / world)):
+            if grads:
+                norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+                total.add_(torch.stack(norms).square().sum(), alpha=weight)
+        if world > 1:
+            dist.all_reduce(total, group=self.process_group)
+        return total
 
     # -- state dicts: DTensors sharded like the parameters ------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -392,11 +420,6 @@ def _common_mesh(params: list[torch.Tensor]) -> Any:
     mesh = None
     for number, param in enumerate(params):
         if not isinstance(param, DTensor):
-            if param.device.type != "cpu":
-                raise FSDPSetupError(
-                    f"parameter {number} (shape {tuple(param.shape)}) is on {param.device}: the "
-                    "optimizer steps CPU parameters"
-                )
             continue
         where = f"parameter {number} (shape {tuple(param.shape)}, placements {param.placements})"
         if param.device_mesh.ndim != 1 or not all(
@@ -408,8 +431,6 @@ def _common_mesh(params: list[torch.Tensor]) -> Any:
             )
         if any(isinstance(p, Shard) and p.dim != 0 for p in param.placements):
             raise FSDPSetupError(f"{where}: sharded along a dimension other than 0 (fully_shard's rows)")
-        if param.device.type != "cpu":
-            raise FSDPSetupError(f"{where}: on {param.device}; the optimizer steps CPU shards (gloo backend)")
         if mesh is None:
             mesh = param.device_mesh
         elif param.device_mesh != mesh:
