@@ -55,7 +55,10 @@ class GpuBenchmark:
     timeout_s: float = 180.0
 
 
-GPU_BENCHMARKS: tuple[GpuBenchmark, ...] = (GpuBenchmark("gpu_store", "benchmarks/bench_gpu_store.py"),)
+GPU_BENCHMARKS: tuple[GpuBenchmark, ...] = (
+    GpuBenchmark("gpu_store", "benchmarks/bench_gpu_store.py"),
+    GpuBenchmark("optimizer_gpu", "benchmarks/bench_optimizer.py", ("--device", "cuda"), timeout_s=150.0),
+)
 """Every GPU benchmark of the check, in the order it runs them: one entry per benchmark, kept here
 only (``tools/gpu_check.py`` refuses to build a bundle that lacks one of their scripts)."""
 
