@@ -185,9 +185,11 @@ def storage_seconds(directory: Path, bytes_read: int, bytes_written: int) -> dic
     if bytes_read + bytes_written == 0:
         return {"storage_s": 0.0}
     folder = directory / "probe"
+    backend = open_backend(f"nvme://{folder}")
     try:
-        measured = probe(open_backend(f"nvme://{folder}"), PROBE_BYTES).bandwidth
+        measured = probe(backend, PROBE_BYTES).bandwidth
     finally:
+        backend.close()
         shutil.rmtree(folder, ignore_errors=True)
     return {
         "disk_read_gb_s": round(measured.read / 1e9, 3),
