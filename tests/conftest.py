@@ -48,11 +48,17 @@ for name in {DEEPSPEED_OPS!r}:
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions() -> Iterator[Path]:
     """``TORCH_EXTENSIONS_DIR`` for the whole run: :data:`TORCH_EXTENSIONS`, cleared first of the
-    build locks a killed run left behind (which would make each build wait for ever)."""
+    build locks a killed run left behind (which would make each build wait for ever).
+
+    The environment's own ``bin`` goes first on ``PATH`` too, for this process and its children
+    alike: torch's build runs the first ``ninja`` it finds, and two ninja releases (the
+    environment's and the system's) read each other's build logs as changed command lines, so
+    alternating between them rebuilds every op from scratch (minutes each time)."""
     TORCH_EXTENSIONS.mkdir(parents=True, exist_ok=True)
     remove_abandoned_build_locks(TORCH_EXTENSIONS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS))
+        patch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         yield TORCH_EXTENSIONS
 
 

@@ -129,7 +129,11 @@ def child_session(command: Sequence[str], **options: Any) -> Iterator[subprocess
 
 
 def run_child(
-    command: Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None = None
+    command: Sequence[str],
+    *,
+    timeout: float | None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in a session of its own (:func:`child_session`) and collect its output, as
     ``subprocess.run(command, capture_output=True, text=True)`` does.
@@ -138,6 +142,7 @@ def run_child(
         command: the program and its arguments.
         timeout: seconds the child may run; None for no limit (Ctrl-C still ends it).
         env: the child's environment; None for this process's.
+        cwd: the child's working directory; None for this process's.
 
     Returns:
         Its exit status, stdout and stderr.
@@ -146,7 +151,7 @@ def run_child(
         subprocess.TimeoutExpired: it ran past ``timeout``; it and everything it started are
             killed by then, and the exception carries what the child wrote.
     """
-    with child_session(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as child:
+    with child_session(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd) as child:
         try:
             stdout, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as expired:

@@ -15,6 +15,8 @@ from tierstore import TierStore
 from tierstore.cli import main
 from tierstore.demo import training_failure
 
+from .helpers import run_child
+
 VIRTUAL = """
 [[tiers]]
 name = "virtual"
@@ -282,12 +284,8 @@ def test_the_main_job_needs_only_the_runtime_dependencies(tmp_path: Path) -> Non
     blocked = extras_only_modules()
     assert {"pytest", "matplotlib", "zarr", "deepspeed"} <= blocked
     arguments = ["train", "--dir", str(tmp_path / "data"), "--steps", "2", *TINY_TRAIN, "--json"]
-    run = subprocess.run(
-        [sys.executable, "-c", BLOCKING_TRAIN, json.dumps(sorted(blocked)), *arguments],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run = run_child(
+        [sys.executable, "-c", BLOCKING_TRAIN, json.dumps(sorted(blocked)), *arguments], timeout=300
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["loss_decreased"] is True

@@ -48,7 +48,7 @@ from tierstore.manifest import Manifest
 from tierstore.testing import BackendTests
 
 from .conftest import TmpfsFactory
-from .helpers import kill_a_crash_writer, persistent
+from .helpers import kill_a_crash_writer, persistent, run_child
 
 TESTS = Path(__file__).parent
 
@@ -135,7 +135,7 @@ def test_a_second_opener_is_refused(tmp_path: Path) -> None:
     with TierStore.from_config(config):
         with pytest.raises(StoreLockedError, match="open in another"):
             TierStore.from_config(config)
-        child = subprocess.run(
+        child = run_child(
             [
                 sys.executable,
                 "-c",
@@ -143,9 +143,7 @@ def test_a_second_opener_is_refused(tmp_path: Path) -> None:
                 "TierStore.from_config(json.loads(sys.argv[1]))",
                 json.dumps(config),
             ],
-            capture_output=True,
-            text=True,
-            check=False,
+            timeout=120,
         )
         assert child.returncode != 0 and "StoreLockedError" in child.stderr
     TierStore.from_config(config).close()  # released at close
@@ -386,12 +384,8 @@ def test_a_put_whose_journal_line_fails_keeps_the_old_version_and_leaves_no_obje
 @pytest.mark.parametrize("step", ["snapshot-written", "snapshot-renamed", "journal-truncated"])
 def test_a_crash_during_compaction_loses_nothing(tmp_path: Path, step: str) -> None:
     config = persistent(tmp_path)
-    child = subprocess.run(
-        [sys.executable, str(TESTS / "crash_compactor.py"), json.dumps(config), step],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    child = run_child(
+        [sys.executable, str(TESTS / "crash_compactor.py"), json.dumps(config), step], timeout=300
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     done: dict[str, int] = {}
@@ -432,7 +426,7 @@ def test_a_torn_journal_line_survives_two_crashes(tmp_path: Path) -> None:
     journal = tmp_path / "manifest" / "journal.jsonl"
     with open(journal, "a") as torn:
         torn.write('{"op":"put","key":"lost","ent')
-    subprocess.run([sys.executable, "-c", CRASH_AFTER_A_PUT, json.dumps(config)], check=True, timeout=120)
+    run_child([sys.executable, "-c", CRASH_AFTER_A_PUT, json.dumps(config)], timeout=120).check_returncode()
     with TierStore.from_config(config) as store:
         assert sorted(store.keys()) == ["after", "before"]
         assert torch.equal(store["after"], torch.arange(3))
