@@ -15,7 +15,12 @@ kernels queued before the call. So:
   waits for that event: it reads or writes the caller's memory only after the work the caller
   queued before the call;
 * a copy to a device ends with an event that the caller's stream waits for: the work the caller
-  queues once the copy is reported done (the store's future resolved) runs after it.
+  queues once the copy is reported done (the store's future resolved) runs after it;
+* a copy *ahead of* a use (:meth:`DeviceCopies.fetch`: activation offload's read-ahead) fills new
+  memory of the copy stream and waits for no other stream, whose work cannot touch memory the copy
+  stream has just allocated; the stream that uses it waits for the copy's end event only at the
+  use (:meth:`~DeviceCopies.hand_over`), which also tells the caching allocator that this stream
+  uses the memory (``record_stream``): freed, it is reused only after that stream's work.
 
 The copy stream is not the caller's, so copies overlap its kernels. The host waits only in
 :meth:`DeviceCopies.wait`, :meth:`~DeviceCopies.download`, :meth:`~DeviceCopies.upload` and
@@ -109,6 +114,17 @@ class DeviceRuntime(Protocol):
     def record(self, stream: object) -> object:
         """An event recorded on ``stream``: it completes once the work queued there so far has."""
 
+    def record_timed(self, stream: object) -> object:
+        """:meth:`record`, of an event that also takes the time it completes at (for
+        :meth:`elapsed`)."""
+
+    def elapsed(self, start: object, end: object) -> float:
+        """Seconds between two completed events of :meth:`record_timed` (on the device's clock)."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        """Tell the caching allocator that work queued on ``stream`` uses ``tensor``'s memory,
+        allocated on another stream: once freed, it is reused only after that work has run."""
+
     def wait(self, stream: object, event: object) -> None:
         """Make the work queued on ``stream`` from now on wait for ``event``."""
 
@@ -176,6 +192,20 @@ class CudaRuntime:
         event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         event.record(stream)
         return event
+
+    def record_timed(self, stream: object) -> object:
+        assert isinstance(stream, torch.cuda.Stream)
+        event = torch.cuda.Event(enable_timing=True, blocking=True)  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+    def elapsed(self, start: object, end: object) -> float:
+        assert isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)
+        return float(start.elapsed_time(end)) / 1e3
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        assert isinstance(stream, torch.cuda.Stream)
+        tensor.record_stream(stream)
 
     def wait(self, stream: object, event: object) -> None:
         assert isinstance(stream, torch.cuda.Stream) and isinstance(event, torch.cuda.Event)
@@ -319,17 +349,32 @@ class Transfer:
         held: every tensor the copy reads or writes (and any other object to keep alive as long):
             let go of once ``end`` has completed, never before.
         on_end: called once ``end`` has completed (give a staging buffer back to its pool).
+        start: for a timed copy, the timed event recorded on the copy stream just before it (the
+            copy's own time, not its wait for the caller's work, lies between ``start`` and
+            ``end``); None otherwise.
     """
 
-    __slots__ = ("_held", "_on_end", "end")
+    __slots__ = ("_held", "_on_end", "end", "seconds", "start")
 
-    def __init__(self, end: object, held: tuple[object, ...], on_end: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        end: object,
+        held: tuple[object, ...],
+        on_end: Callable[[], None] | None,
+        start: object | None = None,
+    ) -> None:
         self.end = end
+        self.start = start
+        self.seconds: float | None = None
+        """A timed copy's duration on the device's clock, once it has ended and been reaped."""
         self._held = held
         self._on_end = on_end
 
-    def _finish(self) -> None:
-        """Let go of the memory and run ``on_end`` (once the end event has completed; once)."""
+    def _finish(self, runtime: DeviceRuntime) -> None:
+        """Take a timed copy's duration, let go of the memory and run ``on_end`` (once the end
+        event has completed; once)."""
+        if self.start is not None and self.seconds is None:
+            self.seconds = runtime.elapsed(self.start, self.end)
         self._held = ()
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
@@ -405,6 +450,7 @@ class DeviceCopies:
         *,
         hold: tuple[object, ...] = (),
         on_end: Callable[[], None] | None = None,
+        timed: bool = False,
     ) -> Transfer:
         """Queue ``destination.copy_(source)`` on the copy stream of ``caller.device``, after the
         work the caller had queued at the call. Returns at once.
@@ -416,6 +462,8 @@ class DeviceCopies:
             hold: more objects to keep alive until the copy has ended.
             on_end: called once the copy has ended (by :meth:`reap`, :meth:`wait` or
                 :meth:`close`).
+            timed: take the copy's duration on the device's clock (``Transfer.seconds``), for a
+                workload that measures the bus.
 
         Returns:
             The transfer, which holds ``destination``, ``source`` and ``hold`` until it has ended.
@@ -424,11 +472,74 @@ class DeviceCopies:
         with self.runtime.using(caller.device):
             stream = self._stream(caller.device)
             self.runtime.wait(stream, caller.event)
-            self.runtime.copy(stream, destination, source)
-            transfer = Transfer(self.runtime.record(stream), (destination, source, *hold), on_end)
+            transfer = self._queue(stream, destination, source, (destination, source, *hold), on_end, timed)
         with self._lock:
             self._in_flight.append(transfer)
         return transfer
+
+    def fetch(
+        self,
+        source: torch.Tensor,
+        device: torch.device,
+        *,
+        on_end: Callable[[], None] | None = None,
+        timed: bool = False,
+    ) -> tuple[torch.Tensor, Transfer]:
+        """Copy host memory into new device memory ahead of its use: memory of the copy stream,
+        filled there at once, after no work of any other stream (no other stream's work can touch
+        memory the copy stream has just allocated). Returns at once; give the tensor to the
+        stream that uses it with :meth:`hand_over`.
+
+        Args:
+            source: host memory (pinned, for the copy to run asynchronously).
+            device: where the copy goes.
+            on_end: called once the copy has ended, as for :meth:`copy`.
+            timed: as for :meth:`copy`.
+
+        Returns:
+            The new device tensor (``source``'s shape and dtype) and the transfer, which holds
+            ``source`` until the copy has ended.
+        """
+        self.reap()
+        device = self.runtime.resolve(device)
+        with self.runtime.using(device):
+            stream = self._stream(device)
+            destination = self.runtime.empty(source.shape, source.dtype, device, stream)
+            transfer = self._queue(stream, destination, source, (source,), on_end, timed)
+        with self._lock:
+            self._in_flight.append(transfer)
+        return destination, transfer
+
+    def hand_over(self, tensor: torch.Tensor, transfer: Transfer, device: torch.device) -> None:
+        """Give a tensor of :meth:`fetch` to the calling thread's current stream: that stream's
+        work queued from now on runs after the copy, and the caching allocator reuses the
+        tensor's memory, once it is freed, only after that work.
+
+        Args:
+            tensor: from :meth:`fetch` (or a view of it).
+            transfer: the copy that fills it.
+            device: its device.
+        """
+        device = self.runtime.resolve(device)
+        with self.runtime.using(device):
+            stream = self.runtime.current_stream(device)
+            self.runtime.wait(stream, transfer.end)
+            self.runtime.record_stream(tensor, stream)
+
+    def _queue(
+        self,
+        stream: object,
+        destination: torch.Tensor,
+        source: torch.Tensor,
+        held: tuple[object, ...],
+        on_end: Callable[[], None] | None,
+        timed: bool,
+    ) -> Transfer:
+        """Queue the copy on ``stream`` (its device current) and its end event; its transfer."""
+        start = self.runtime.record_timed(stream) if timed else None
+        self.runtime.copy(stream, destination, source)
+        end = self.runtime.record_timed(stream) if timed else self.runtime.record(stream)
+        return Transfer(end, held, on_end, start)
 
     def to_device(
         self,
@@ -465,7 +576,7 @@ class DeviceCopies:
                 (ended if self.runtime.query(transfer.end) else in_flight).append(transfer)
             self._in_flight = in_flight
         for transfer in ended:
-            transfer._finish()
+            transfer._finish(self.runtime)
 
     def wait(self, transfer: Transfer) -> None:
         """Wait on this thread until ``transfer`` has ended, and let go of the transfers that have.
@@ -476,14 +587,18 @@ class DeviceCopies:
         self.runtime.synchronize(transfer.end)
         self.reap()
 
-    def close(self) -> None:
-        """Wait for every transfer in flight, let go of them, and give the pinned pieces back (the
-        object can still copy afterwards: it makes new ones)."""
+    def synchronize(self) -> None:
+        """Wait for every transfer in flight, and let go of them."""
         with self._lock:
             pending = list(self._in_flight)
         for transfer in pending:
             self.runtime.synchronize(transfer.end)
         self.reap()
+
+    def close(self) -> None:
+        """Wait for every transfer in flight, let go of them, and give the pinned pieces back (the
+        object can still copy afterwards: it makes new ones)."""
+        self.synchronize()
         pieces, self._pieces = self._pieces, None
         if pieces is not None:
             pieces.close()

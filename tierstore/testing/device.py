@@ -12,6 +12,10 @@ copy that does not wait for the caller's work reads or writes too early and the 
 
 Page-locking is recorded too: which addresses are locked, how many lock and unlock calls came,
 every error the runtime reported, and its last error (what ``cudaGetLastError`` would return).
+
+:class:`SimulatedModelDevice` runs a whole model written for a device on the CPU: every tensor
+not page-locked through it is device memory, and the caller's stream is the calling thread (torch
+runs the model's operations as they are called), so only the copies wait for the test.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -37,6 +42,9 @@ class SimulatedEvent:
 
     name: str
     done: bool = False
+    completed_at: float | None = None
+    """When it completed (the host's clock), for a timed event."""
+    timed: bool = False
 
 
 @dataclass(eq=False)
@@ -74,6 +82,7 @@ class SimulatedDevice:
         errors: every error the runtime reported (a failed lock, an unlock of memory not locked).
         last_error: the last error not reset since (``clear_error`` resets it).
         fail_lock: set it to make the next page-lock fail with this reason.
+        used_on: every ``record_stream``: the tensor's data pointer and the stream's name.
     """
 
     device = torch.device("cuda", 0)
@@ -88,6 +97,7 @@ class SimulatedDevice:
         self.errors: list[str] = []
         self.last_error: str | None = None
         self.fail_lock: str | None = None
+        self.used_on: list[tuple[int, str]] = []
         self._names = itertools.count()
         self._lock = threading.RLock()
 
@@ -120,6 +130,7 @@ class SimulatedDevice:
                 elif operation.kind == "record":
                     assert operation.event is not None
                     operation.event.done = True
+                    operation.event.completed_at = time.perf_counter()
                 else:
                     assert operation.work is not None
                     operation.work()
@@ -179,6 +190,25 @@ class SimulatedDevice:
         self._queue(stream, Operation("record", event.name, event=event))
         return event
 
+    def record_timed(self, stream: object) -> object:
+        event = self.record(stream)
+        assert isinstance(event, SimulatedEvent)
+        event.timed = True
+        return event
+
+    def elapsed(self, start: object, end: object) -> float:
+        assert isinstance(start, SimulatedEvent) and isinstance(end, SimulatedEvent)
+        if not (start.timed and end.timed):
+            raise RuntimeError("simulated device: elapsed() needs two timed events")
+        if start.completed_at is None or end.completed_at is None:
+            raise RuntimeError("simulated device: elapsed() of an event that has not completed")
+        return end.completed_at - start.completed_at
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        assert isinstance(stream, SimulatedStream)
+        with self._lock:
+            self.used_on.append((tensor.data_ptr(), stream.name))
+
     def wait(self, stream: object, event: object) -> None:
         assert isinstance(stream, SimulatedStream) and isinstance(event, SimulatedEvent)
         self._queue(stream, Operation("wait", event.name, event=event))
@@ -235,3 +265,84 @@ class SimulatedDevice:
     def _queue(self, stream: SimulatedStream, operation: Operation) -> None:
         with self._lock:
             stream.queue.append(operation)
+
+
+CUDA_ALIGNMENT = 512
+"""The alignment of every block CUDA's caching allocator hands out."""
+
+
+class SimulatedModelDevice(SimulatedDevice):
+    """A device that a whole model written for a GPU runs on, on the CPU.
+
+    Every tensor is device memory except host memory page-locked through this runtime (the pinned
+    pools of the workloads under test), and device memory it allocates is plain tensors. The
+    caller's stream is the calling thread itself, since torch runs the model's operations as they
+    are called: what is queued on it runs at once, and a wait queued on it runs the device until
+    the event completes. So the copies alone are what the test orders: they run when a thread
+    waits for them, or when the test runs their stream.
+
+    :meth:`hold` makes every thread that would run the device (a wait of the caller's stream or
+    :meth:`synchronize`) wait until the block ends instead: copies queued in it run only after
+    everything the model did in it, the latest a GPU could run them, so that a copy that reads
+    memory later operations change reads the changed bytes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held = False
+        self._release = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Run no copy inside the block (see the class docstring)."""
+        with self._release:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._release:
+                self._held = False
+                self._release.notify_all()
+
+    def device_of(self, tensor: torch.Tensor) -> torch.device | None:
+        address = tensor.data_ptr()
+        with self._lock:
+            pinned = any(start <= address < start + size for start, size in self.locked.items())
+        return None if pinned else self.device
+
+    def empty(
+        self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, stream: object
+    ) -> torch.Tensor:
+        # 512-byte aligned, as CUDA's caching allocator hands memory out (the CPU's aligns to 64),
+        # and filled with a pattern, so that reading memory no copy has written yet shows.
+        shape = tuple(shape)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        memory = torch.full((nbytes + CUDA_ALIGNMENT,), 0xA5, dtype=torch.uint8)
+        start = -memory.data_ptr() % CUDA_ALIGNMENT
+        return memory[start : start + nbytes].view(dtype).reshape(shape)
+
+    def synchronize(self, event: object) -> None:
+        assert isinstance(event, SimulatedEvent)
+        if not event.done:
+            self._wait_for_release()
+        super().synchronize(event)
+
+    def _queue(self, stream: SimulatedStream, operation: Operation) -> None:
+        super()._queue(stream, operation)
+        if stream is not self.compute:
+            return
+        if operation.kind == "wait":
+            assert operation.event is not None
+            if not operation.event.done:
+                self._wait_for_release()
+            with self._lock:
+                while not operation.event.done and self.run_all():
+                    pass
+        with self._lock:
+            self.run(self.compute)
+        if stream.queue:
+            raise RuntimeError(f"simulated device: the caller's stream waits for ever on {stream.pending()}")
+
+    def _wait_for_release(self) -> None:
+        with self._release:
+            self._release.wait_for(lambda: not self._held)
