@@ -1,7 +1,8 @@
 """Only what pyproject.toml cannot say: ship ``tierstore-deepspeed.pth`` (the start-up line of
-``TIERSTORE_DEEPSPEED=1``, see ``integrations/deepspeed/hook.py``) at the top of site-packages, in
-wheels (``build_py``) and in editable installs (``editable_wheel``, which skips ``build_py``'s
-extra files)."""
+``TIERSTORE_DEEPSPEED=1``, see ``integrations/deepspeed/hook.py``) and ``tierstore-activations.pth``
+(that of ``TIERSTORE_ACTIVATIONS``, see ``integrations/huggingface.py``) at the top of
+site-packages, in wheels (``build_py``) and in editable installs (``editable_wheel``, which skips
+``build_py``'s extra files)."""
 
 from pathlib import Path
 from typing import Any, Self
@@ -10,17 +11,22 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
-PTH = Path(__file__).parent / "integrations" / "deepspeed" / "tierstore-deepspeed.pth"
+INTEGRATIONS = Path(__file__).parent / "integrations"
+PTHS = (INTEGRATIONS / "deepspeed" / "tierstore-deepspeed.pth", INTEGRATIONS / "tierstore-activations.pth")
 
 
 class BuildWithPth(build_py):
     def run(self) -> None:
         super().run()
         Path(self.build_lib).mkdir(parents=True, exist_ok=True)
-        (Path(self.build_lib) / PTH.name).write_bytes(PTH.read_bytes())
+        for pth in PTHS:
+            (Path(self.build_lib) / pth.name).write_bytes(pth.read_bytes())
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
-        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH.name)]
+        return [
+            *super().get_outputs(include_bytecode),
+            *(str(Path(self.build_lib) / pth.name) for pth in PTHS),
+        ]
 
 
 class EditableWithPth(editable_wheel):
@@ -29,14 +35,15 @@ class EditableWithPth(editable_wheel):
 
 
 class _WithPth:
-    """The editable strategy (a context manager called with the wheel), adding the .pth."""
+    """The editable strategy (a context manager called with the wheel), adding the .pth files."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
 
     def __call__(self, wheel: Any, files: Any, mapping: Any) -> None:
         self.strategy(wheel, files, mapping)
-        wheel.writestr(PTH.name, PTH.read_bytes())
+        for pth in PTHS:
+            wheel.writestr(pth.name, pth.read_bytes())
 
     def __enter__(self) -> Self:
         self.strategy.__enter__()

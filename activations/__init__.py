@@ -8,7 +8,7 @@ before backward needs them (SSDTrain's mechanics, TERAIO's lifetime-aware plan).
 >>> loss.backward()                                                                        # doctest: +SKIP
 """
 
-from .offload import ActivationOffload
-from .options import PLANS, Plan
+from .offload import ActivationOffload, Attachment
+from .options import PLANS, SCOPES, Plan, Scope
 
-__all__ = ["PLANS", "ActivationOffload", "Plan"]
+__all__ = ["PLANS", "SCOPES", "ActivationOffload", "Attachment", "Plan", "Scope"]

@@ -9,10 +9,11 @@ covers (a :class:`Capture`), and backward gets a tensor rebuilt from that copy w
 dtype, shape and strides.
 
 * A view whose elements fill one contiguous byte range (a dense tensor in any dimension order, or
-  an overlapping one such as an expanded tensor) is captured as that range, from the 64-byte
-  boundary below its first byte: the rebuilt tensor has the original's strides and its address
-  modulo 64 (the alignment torch's CPU allocator gives every storage), so kernels take the same
-  paths and give the same bits.
+  an overlapping one such as an expanded tensor) is captured as that range, from the boundary
+  below its first byte of the alignment the tensor's allocator gives every storage
+  (:data:`HOST_ALIGN` on the CPU, :data:`DEVICE_ALIGN` on a CUDA device): the rebuilt tensor has
+  the original's strides and its address modulo that alignment, so kernels take the same paths
+  (a kernel may be chosen by its operands' alignment) and give the same bits.
 * A view with gaps (one chunk of a gate projection, ``q`` of a fused ``qkv``) is captured
   compactly, its elements only, laid out densely in the view's own dimension order (as
   ``torch.empty_like`` lays it out): several chunks of one storage cost their own bytes, never the
@@ -29,7 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-ALIGN = 64
+HOST_ALIGN = 64
+"""The alignment of every storage torch's CPU allocator makes."""
+DEVICE_ALIGN = 512
+"""The alignment of every block CUDA's caching allocator hands out."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,9 @@ class View:
     strides: tuple[int, ...]
 
 
-def capture_of(tensor: torch.Tensor) -> Capture:
-    """How to capture ``tensor``: a strided CPU or CUDA tensor with at least one element."""
+def capture_of(tensor: torch.Tensor, align: int = HOST_ALIGN) -> Capture:
+    """How to capture ``tensor``: a strided CPU or CUDA tensor with at least one element, whose
+    allocator aligns every storage to ``align`` bytes."""
     itemsize = tensor.element_size()
     sizes, strides, offset = tuple(tensor.shape), tensor.stride(), int(tensor.storage_offset())
     span = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
@@ -66,7 +71,7 @@ def capture_of(tensor: torch.Tensor) -> Capture:
         identity = ("compact", tensor.dtype, offset, sizes, strides, tensor._version)
         return Capture(identity, tensor.numel() * itemsize, None, dense)
     first = offset * itemsize
-    start, end = first - first % ALIGN, first + span * itemsize
+    start, end = first - first % align, first + span * itemsize
     return Capture(("range", start, end, tensor._version), end - start, start, ())
 
 
@@ -79,21 +84,36 @@ def view_of(tensor: torch.Tensor, capture: Capture) -> View:
     return View((first - capture.start) // tensor.element_size(), tuple(tensor.shape), tensor.stride())
 
 
+def copy_views(
+    tensor: torch.Tensor, capture: Capture, destination: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What copying ``capture``'s bytes of ``tensor`` into ``destination`` (a uint8 tensor of
+    ``capture.nbytes``) copies: ``destination`` or a typed view of it, and the captured bytes of
+    ``tensor``'s storage or ``tensor`` itself (a compact capture's elements)."""
+    if capture.start is None:
+        typed = destination.view(tensor.dtype).as_strided(tensor.shape, capture.dense_strides)
+        return typed, tensor
+    return destination, storage_bytes(tensor, capture)
+
+
+def storage_bytes(tensor: torch.Tensor, capture: Capture) -> torch.Tensor:
+    """The bytes of ``tensor``'s storage a range capture covers, as a uint8 tensor over them."""
+    assert capture.start is not None
+    source = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return source.set_(tensor.untyped_storage(), capture.start, (capture.nbytes,), (1,))
+
+
 def copy_out(tensor: torch.Tensor, capture: Capture, destination: torch.Tensor) -> None:
     """Copy ``capture``'s bytes of ``tensor`` into ``destination``: a uint8 tensor of
     ``capture.nbytes`` on any device (a copy between devices is queued on the current stream)."""
-    if capture.start is None:
-        typed = destination.view(tensor.dtype).as_strided(tensor.shape, capture.dense_strides)
-        typed.copy_(tensor, non_blocking=True)
-        return
-    source = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    source.set_(tensor.untyped_storage(), capture.start, (capture.nbytes,), (1,))
-    destination.copy_(source, non_blocking=True)
+    typed, source = copy_views(tensor, capture, destination)
+    typed.copy_(source, non_blocking=True)
 
 
 def rebuild(data: torch.Tensor, dtype: torch.dtype, view: View) -> torch.Tensor:
-    """The saved tensor over ``data`` (its capture's bytes, a uint8 tensor starting at offset 0 of
-    its storage). It shares that storage, so the bytes live exactly as long as some rebuilt tensor
-    or the offloader holds them."""
+    """The saved tensor over ``data`` (its capture's bytes: a uint8 tensor, contiguous, at any
+    offset of its storage that the view's element size divides). It shares that storage, so the
+    bytes live exactly as long as some rebuilt tensor or the offloader holds them."""
     rebuilt = torch.empty(0, dtype=dtype, device=data.device)
-    return rebuilt.set_(data.untyped_storage(), view.offset, view.sizes, view.strides)
+    offset = data.storage_offset() // dtype.itemsize + view.offset
+    return rebuilt.set_(data.untyped_storage(), offset, view.sizes, view.strides)

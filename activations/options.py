@@ -12,6 +12,8 @@ from .._checks import ConfigModel
 
 Plan = Literal["lifetime", "all", "none"]
 PLANS: tuple[Plan, ...] = get_args(Plan)
+Scope = Literal["saved", "checkpoint-inputs"]
+SCOPES: tuple[Scope, ...] = get_args(Scope)
 
 
 class ActivationOptions(ConfigModel):
@@ -24,5 +26,13 @@ class ActivationOptions(ConfigModel):
     min_bytes: ByteSize = ByteSize(1 << 20)
     """Smaller saved tensors stay in memory as autograd keeps them."""
     plan: Plan = "lifetime"
-    """``lifetime``: profile a step, then keep in memory what cannot be hidden; ``all``: spill every
-    eligible tensor; ``none``: keep everything (the hooks only count)."""
+    """``lifetime``: profile a step, then keep in memory (or on the device) what cannot be hidden;
+    ``all``: spill every eligible tensor (a device's: to host memory first, to storage beyond the
+    budget); ``none``: keep everything (the hooks only count)."""
+    device_budget: ByteSize = ByteSize(512 << 20)
+    """Device memory for saved tensors of a device: tensors held while their copy to host memory
+    runs, tensors left on the device, and tensors copied back ahead of backward's use."""
+    scope: Scope = "saved"
+    """``saved``: every tensor autograd saves in the block; ``checkpoint-inputs``: only the inputs
+    of checkpointed regions (recompute and offload combined), the rest stays as autograd keeps
+    it."""

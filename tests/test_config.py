@@ -347,6 +347,10 @@ PYTHON_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
         "min_bytes",
         on_a_store(lambda store, v: ActivationOffload(store, min_bytes=v)),
     ),
+    "ActivationOffload device_budget": (
+        "device_budget",
+        on_a_store(lambda store, v: ActivationOffload(store, device_budget=v)),
+    ),
 }
 """Every size in bytes a public class or function takes from Python."""
 
@@ -396,6 +400,10 @@ DOCUMENT_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
     "ActivationOptions.min_bytes": (
         "tierstore.activations.min_bytes",
         lambda v, _: parse_section({"tierstore": {"activations": {"min_bytes": v}}}),
+    ),
+    "ActivationOptions.device_budget": (
+        "tierstore.activations.device_budget",
+        lambda v, _: parse_section({"tierstore": {"activations": {"device_budget": v}}}),
     ),
 }
 """Every size in bytes of a configuration document (a store's, a backend's table, the DeepSpeed

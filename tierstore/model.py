@@ -454,3 +454,36 @@ def plan_spill(
         ]
     )
     return plan
+
+
+def keep_on_device(
+    tensors: Sequence[SavedTensor], to_host: float, to_device: float, budget: int
+) -> list[int]:
+    """Which saved tensors of a device to leave there, never copied (the third place beside host
+    memory and storage; the choice between those two is :func:`plan_spill`'s).
+
+    A tensor whose copy to host memory and back, at the bus's measured bandwidths, takes longer
+    than its lifetime (from its save to backward's first use, on the device's clock) cannot hide
+    behind the compute in between: copying it would stall. Such tensors stay, the shortest
+    lifetimes first, as long as their bytes fit ``budget``.
+
+    Args:
+        tensors: the profiled step's saved tensors, timed on the device's clock.
+        to_host: the bus's bandwidth from the device to host memory (bytes per second).
+        to_device: its bandwidth back (bytes per second).
+        budget: the most bytes to leave on the device.
+
+    Returns:
+        Their indices, ascending.
+    """
+    if to_host <= 0 or to_device <= 0:
+        return []
+    chosen: list[int] = []
+    held = 0
+    for index in sorted(range(len(tensors)), key=lambda i: tensors[i].used_at - tensors[i].saved_at):
+        tensor = tensors[index]
+        round_trip = tensor.nbytes / to_host + tensor.nbytes / to_device
+        if tensor.used_at - tensor.saved_at < round_trip and held + tensor.nbytes <= budget:
+            chosen.append(index)
+            held += tensor.nbytes
+    return sorted(chosen)

@@ -9,11 +9,16 @@ judge a plan. Each describes the saved tensors of one step to the policy through
 
 The rules:
 
-* admission: a saved tensor is spilled if the plan says so (every one while there is no plan); a
-  spilled tensor's capture is let go of when its write ends, unless backward's read-ahead has
-  already reached it (it is then handed back without a read);
-* room at a save: when the budget is full, wait for writes in flight (each gives its capture
-  back), and nothing else;
+* admission: a saved tensor is spilled if the plan says so; a plan may also keep it in memory,
+  or, for a saved tensor of a device, leave it on the device (no copy at all). While there is no
+  plan, a saved tensor in host memory is spilled, and one of a device goes to host memory first
+  (a *capture kept*: its copy to host memory is all the offload it costs) and to the store only
+  as room is needed (see below). A spilled tensor's capture is let go of when its write ends,
+  unless backward's read-ahead has already reached it (it is then handed back without a read);
+* room at a save: when the budget is full, a step without a plan spills the oldest capture it
+  keeps while the writes in flight would not free room enough (host memory first, storage beyond
+  it: the captures saved last, which backward wants first, stay in memory), then waits for writes
+  in flight (each gives its capture back), and does nothing else;
 * reads: at the end of forward and after each use, reads start in backward's order (the plan's
   profiled use order, or reverse save order without a plan) for as many spilled tensors as there
   is room for now; one still in memory is handed back without a read;
@@ -48,11 +53,24 @@ class Residence(Enum):
     """Only in the store: a read brings it back."""
 
 
+class Placement(Enum):
+    """Where a saved tensor goes at its save."""
+
+    STORAGE = "storage"
+    """Captured into memory and written to the store (spilled)."""
+    HOST = "host"
+    """Captured into memory and kept there until backward."""
+    DEVICE = "device"
+    """Left on its device: never copied (a saved tensor of a device only)."""
+
+
 class Room(Enum):
     """What making room did, or what the caller must do next."""
 
     DROPPED = "dropped"
     """A tensor held ahead of its use was let go of: try again."""
+    SPILL = "spill"
+    """Spill the oldest capture kept in memory (start its write), then try again."""
     WAIT = "wait"
     """Wait for a write or read in flight to end, then try again."""
     NONE = "none"
@@ -120,35 +138,62 @@ class SpillPolicy:
     in save order.
 
     Args:
-        spill: the tensors a plan spills; None spills every one (a step run without a plan:
-            profiling, or plan ``"all"``).
+        spill: the tensors a plan spills; None when there is no plan (a step profiling, or plan
+            ``"all"``): every tensor in host memory is spilled, every one of a device kept in
+            host memory first (see the module docstring).
         use_order: the spilled tensors in the order backward used them when profiled; None reads
             back in reverse save order (a sequential model's backward order).
+        on_device: the tensors of a device a plan leaves there.
+        first_use_order: every tensor in the order backward first used it when profiled (the
+            order tensors are brought back to a device in); None: reverse save order.
     """
 
     spill: frozenset[int] | None = None
     use_order: tuple[int, ...] | None = None
+    on_device: frozenset[int] = frozenset()
+    first_use_order: tuple[int, ...] | None = None
 
     @property
     def planned(self) -> bool:
         """Whether a plan decides what is spilled."""
         return self.spill is not None
 
+    def placement(self, index: int, *, device: bool) -> Placement:
+        """Where the tensor saved at ``index`` goes; ``device``: it is a device's."""
+        if self.spill is None:
+            return Placement.HOST if device else Placement.STORAGE
+        if device and index in self.on_device:
+            return Placement.DEVICE
+        return Placement.STORAGE if index in self.spill else Placement.HOST
+
     def spills(self, index: int) -> bool:
-        """Whether the tensor saved at ``index`` is spilled (otherwise it stays in memory)."""
-        return self.spill is None or index in self.spill
+        """Whether the tensor saved at ``index`` in host memory is spilled (otherwise it stays in
+        memory)."""
+        return self.placement(index, device=False) is Placement.STORAGE
 
     def read_order(self, spilled: Sequence[int]) -> list[int]:
         """The order backward's reads start in, for a step that spilled ``spilled`` (ascending)."""
         return list(spilled[::-1] if self.use_order is None else self.use_order)
+
+    def restore_order(self, captured: Sequence[int]) -> list[int]:
+        """The order tensors are brought back to a device in, for a step that captured
+        ``captured`` (ascending) from it."""
+        if self.first_use_order is None:
+            return list(captured[::-1])
+        wanted = set(captured)
+        return [index for index in self.first_use_order if index in wanted]
 
     def keeps_after_write(self, *, handed_back: bool, used: bool) -> bool:
         """Whether a capture stays in memory once its write ends: only while read-ahead counts on
         handing it back and backward has not used it yet."""
         return handed_back and not used
 
-    def room_to_save(self, *, writing: bool) -> Room:
-        """What to do when a capture does not fit: wait while writes are in flight."""
+    def room_to_save(self, *, writing: bool, spillable: bool = False) -> Room:
+        """What to do when a capture does not fit: without a plan, spill the oldest capture kept
+        in memory while ``spillable`` (there is one, and the writes in flight would not free room
+        enough); then wait while writes are in flight."""
+        if spillable and not self.planned:
+            return Room.SPILL
         return Room.WAIT if writing else Room.NONE
 
     def room_to_read(

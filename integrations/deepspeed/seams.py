@@ -77,12 +77,19 @@ def offload_activations(engine: Any, settings: ActivationsSection) -> Activation
     one set of tiers and limits for both workloads); ``engine.tierstore_activations`` holds it."""
     store = engine.optimizer.optimizer_swapper.store
     offload = ActivationOffload(
-        store, budget=settings.budget, min_bytes=settings.min_bytes, plan=settings.plan
+        store,
+        budget=settings.budget,
+        min_bytes=settings.min_bytes,
+        plan=settings.plan,
+        device_budget=settings.device_budget,
+        scope=settings.scope,
     )
     forward = engine.forward
 
     @functools.wraps(forward)
     def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+        if settings.scope == "checkpoint-inputs":
+            offload.mark_regions(engine.module)
         with offload:
             return forward(*args, **kwargs)
 
