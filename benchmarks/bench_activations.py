@@ -1,5 +1,8 @@
 """Activation spill: keep-in-memory, full recompute, and tierstore's ``all`` and ``lifetime`` plans.
 
+``--device cuda`` runs the GPU benchmark instead (:mod:`activations_gpu`: a Hugging Face Llama on a
+GPU against keeping everything, recomputation and ``save_on_cpu``); what follows is the CPU one.
+
 Every variant trains the same GPT-style model (``tierstore.demo``) on the same batches, in
 a fresh process of its own, and the variants alternate within each repeat. Figures are medians
 over the steady steps (after the lifetime plan's profile and build steps) of every repeat.
@@ -32,6 +35,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import activations_gpu
 import torch
 from common import log, metadata, parse_size, positive_int, run_benchmark
 from tierstore.activations import ActivationOffload
@@ -274,18 +278,54 @@ def _ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     return ratios
 
 
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"layers": 6, "width": 512, "steps": 6, "repeats": 2, "budget": "128MiB"},
+    "cuda": {
+        "layers": 4,
+        "width": 1024,
+        "intermediate": 2816,
+        "heads": 16,
+        "steps": 5,
+        "repeats": 2,
+        "budget": "4GiB",
+    },
+}
+"""Each device's defaults of the options they share (sized for the GPU check's two minutes on an
+H100 on ``cuda``)."""
+ISSUE_SIZE = {"layers": 8, "width": 2048, "intermediate": 5632, "heads": 16, "budget": "24GiB"}
+"""``--device cuda --issue-size``: the Llama of the issue (542M parameters), with a host budget that
+holds a long sequence's captures."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
-    parser.add_argument("--layers", type=positive_int, default=6, help="transformer blocks")
-    parser.add_argument("--width", type=positive_int, default=512, help="model width (heads = width / 64)")
-    parser.add_argument("--length", type=positive_int, default=256, help="tokens per sequence")
-    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
-    parser.add_argument("--steps", type=positive_int, default=6, help="steps per run (the first 2 warm up)")
-    parser.add_argument("--repeats", type=positive_int, default=2, help="runs of each variant, alternating")
-    parser.add_argument("--budget", type=parse_size, default=parse_size("128MiB"), help="offload budget")
+    parser.add_argument("--layers", type=positive_int, default=None, help="transformer blocks")
+    parser.add_argument(
+        "--width", type=positive_int, default=None, help="model width (cpu: heads = width / 64)"
+    )
+    parser.add_argument("--length", type=positive_int, default=256, help="cpu: tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=16, help="cpu: sequences per step")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="steps per run (the first 2 warm up)"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=None, help="runs of each variant, alternating"
+    )
+    parser.add_argument("--budget", type=parse_size, default=None, help="offload budget (host memory)")
+    parser.add_argument(
+        "--storage-budget",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="cuda: host budget of the storage tier",
+    )
+    parser.add_argument(
+        "--device-budget", type=parse_size, default=parse_size("256MiB"), help="cuda: device budget"
+    )
     parser.add_argument("--min-bytes", type=parse_size, default=parse_size("1MiB"), help="spill threshold")
+    activations_gpu.add_arguments(parser)
     parser.add_argument(
         "--verify", choices=("always", "sampled", "off"), default="always", help="the store's checksums"
     )
@@ -295,9 +335,25 @@ def main() -> int:
         default=list(ALLOCATORS),
         help=f"comma-separated allocator settings to run each variant under ({', '.join(ALLOCATORS)})",
     )
-    parser.add_argument("--child", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=(*VARIANTS, *activations_gpu.VARIANTS), default=None, help=argparse.SUPPRESS
+    )
     parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    defaults = {**DEFAULTS[args.device], **(ISSUE_SIZE if args.device == "cuda" and args.issue_size else {})}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, parse_size(value) if name == "budget" else value)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                "bench_activations --device cuda needs a CUDA device (torch.cuda.is_available() is False)"
+            )
+        if args.child is not None:
+            args.variant = args.child
+            args.json.write_text(json.dumps(activations_gpu.child(args)))
+            return 0
+        return run_benchmark(activations_gpu.run, args, prefix="activations-gpu-", needs_fio=False)
     if args.child is not None:
         args.variant = args.child
         args.json.write_text(json.dumps(child(args)))

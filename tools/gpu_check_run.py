@@ -58,6 +58,12 @@ class GpuBenchmark:
 GPU_BENCHMARKS: tuple[GpuBenchmark, ...] = (
     GpuBenchmark("gpu_store", "benchmarks/bench_gpu_store.py"),
     GpuBenchmark("optimizer_gpu", "benchmarks/bench_optimizer.py", ("--device", "cuda"), timeout_s=150.0),
+    GpuBenchmark(
+        "activations_gpu",
+        "benchmarks/bench_activations.py",
+        ("--device", "cuda", "--repeats", "1"),
+        timeout_s=150.0,
+    ),
 )
 """Every GPU benchmark of the check, in the order it runs them: one entry per benchmark, kept here
 only (``tools/gpu_check.py`` refuses to build a bundle that lacks one of their scripts)."""
