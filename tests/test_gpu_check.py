@@ -3,6 +3,7 @@ offline (tierstore's wheel only, built with the installed setuptools) and withou
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .helpers import run_child
 
 REPO = Path(__file__).resolve().parents[1]
 BUILDER = REPO / "tools" / "gpu_check.py"
@@ -41,14 +44,7 @@ own): one skipped without CUDA, one that passes where tierstore comes from the s
 
 
 def run(*command: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *map(str, command)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=OFFLINE,
-        timeout=300,
-    )
+    return run_child([sys.executable, *map(str, command)], env=OFFLINE, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +65,21 @@ def copy_with_probe_tests(bundle: Path, destination: Path) -> Path:
 
 def steps(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {step["name"]: step for step in document["steps"]}
+
+
+def test_the_steps_limits_fit_within_the_deadline() -> None:
+    """The tests' and every benchmark's own limits, with the runner's reserve, add up to no more
+    than the deadline: each step can run to its limit without the deadline cutting a later one."""
+    spec = importlib.util.spec_from_file_location("gpu_check_run", REPO / "tools" / "gpu_check_run.py")
+    assert spec is not None and spec.loader is not None
+    runner = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = runner  # its dataclasses look their module up while being made
+    try:
+        spec.loader.exec_module(runner)
+    finally:
+        del sys.modules[spec.name]
+    limits = runner.TESTS_TIMEOUT_S + sum(benchmark.timeout_s for benchmark in runner.GPU_BENCHMARKS)
+    assert limits + runner.RESERVE_S <= runner.DEADLINE_S
 
 
 def test_the_bundle_carries_what_tierstore_needs_beyond_what_the_node_provides() -> None:
