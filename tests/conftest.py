@@ -1,3 +1,4 @@
+import hashlib
 import os
 import re
 import shutil
@@ -27,12 +28,16 @@ NOT_UP = re.compile(r"not mounted/healthy: (\S+)")
 TORCH_EXTENSIONS = (
     Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     / "tierstore-tests"
-    / f"torch-extensions-py{sys.version_info.major}.{sys.version_info.minor}-torch{torch.__version__}"
+    / (
+        f"torch-extensions-py{sys.version_info.major}.{sys.version_info.minor}-torch{torch.__version__}-"
+        + hashlib.sha256(str(Path(torch.__file__).parent).encode()).hexdigest()[:8]
+    )
 )
 """Where the tests' children build and find torch extensions (DeepSpeed's native ops): the tests'
 own cache, kept between runs (the ops take minutes to build) and apart from the user's
-``~/.cache/torch_extensions``. One per Python and torch release, since a build is only good for
-the torch it was built against."""
+``~/.cache/torch_extensions``. One per torch installation (Python, release and place), since a
+build is only good for the torch it was built against and names its headers' place: two
+environments sharing one would rebuild the ops whenever they take turns."""
 DEEPSPEED_OPS = ("CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
 """The ops the DeepSpeed runs on CPU load: DeepSpeedCPUAdam's kernel, the swappers' pinned
 buffers and asynchronous I/O, the shared-memory collectives of a DeepSpeed process group."""
