@@ -3,7 +3,7 @@
 ``--device cuda`` runs the GPU benchmark instead (:mod:`activations_gpu`: a Hugging Face Llama on a
 GPU against keeping everything, recomputation and ``save_on_cpu``); what follows is the CPU one.
 
-Every variant trains the same GPT-style model (``tierstore.demo``) on the same batches, in
+Every variant trains the same GPT-style model (``tierstore.app.demo``) on the same batches, in
 a fresh process of its own, and the variants alternate within each repeat. Figures are medians
 over the steady steps (after the lifetime plan's profile and build steps) of every repeat.
 
@@ -42,7 +42,7 @@ from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
-from tierstore.demo import GPT, batch_of, byte_corpus
+from tierstore.app.demo import GPT, batch_of, byte_corpus
 
 VARIANTS = ("keep", "recompute", "tierstore-all", "tierstore-lifetime")
 ALLOCATORS: dict[str, dict[str, str]] = {"default": {}, "mmap-1MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}

@@ -1,7 +1,7 @@
 """FSDP2 training on 2 ranks: torch.optim.AdamW with its state in RAM against tierstore's
 FSDPOffloadedAdamW with the state on disk (an NVMe tier per rank under --dir).
 
-Both sides train the same GPT (``tierstore.demo.GPT``, no dropout) sharded with ``fully_shard`` over
+Both sides train the same GPT (``tierstore.app.demo.GPT``, no dropout) sharded with ``fully_shard`` over
 2 gloo ranks (2 processes each), on the same batches, fp32 parameters (the optimizer state is the
 Adam moments: 8 bytes per parameter; ``--setup bf16`` gives bf16 parameters, whose fp32 masters
 tierstore keeps in the store too). The sides alternate (A B, B A, ...) ``--repeats`` times. Each rank
@@ -75,7 +75,7 @@ def rank_main(run: dict[str, Any]) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from tierstore import Tier, TierStore
-    from tierstore.demo import GPT, batch_of, byte_corpus
+    from tierstore.app.demo import GPT, batch_of, byte_corpus
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

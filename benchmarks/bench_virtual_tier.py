@@ -38,7 +38,7 @@ from common import drop_caches, log, metadata, parse_size, run_benchmark
 from tierstore.backends import open_backend
 from tierstore.backends.throttle import ThrottleBackend
 
-from tierstore.bench import measure_path, measure_round_trips, measure_tier
+from tierstore.app.bench import measure_path, measure_round_trips, measure_tier
 from tierstore.tier import Tier, TierPath
 
 EMULATED = {"fast": 400e6, "mid": 200e6, "slow": 100e6}

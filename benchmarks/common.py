@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore.arguments import positive_byte_size
-from tierstore.arguments import positive_int as positive_int  # the scripts take it from here
+from tierstore.app.arguments import positive_byte_size
+from tierstore.app.arguments import positive_int as positive_int  # the scripts take it from here
 from tierstore.buffers import AlignedBuffer
 
 FIO_BLOCK = 4 << 20

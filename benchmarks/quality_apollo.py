@@ -1,6 +1,6 @@
 """Quality run: offloaded APOLLO-Mini vs offloaded AdamW training the same small GPT, same batches.
 
-A byte-level GPT (``tierstore.demo``) on the standard library's source files, ``--steps``
+A byte-level GPT (``tierstore.app.demo``) on the standard library's source files, ``--steps``
 steps each, both optimizers' fp32 state on an NVMe (O_DIRECT) tier under a DRAM budget below it.
 Reports both loss curves (JSON and a PNG) and the final losses (mean of the last 20 steps); the
 target (issue 16) is APOLLO-Mini's final loss within 5% of AdamW's. Small enough for 2 cores:
@@ -24,7 +24,7 @@ from tierstore.backends import open_backend
 from tierstore.optimizer import APOLLO_MINI, OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
 
 from tierstore import Tier, TierStore
-from tierstore.demo import GPT, apollo_groups, batch_of, byte_corpus
+from tierstore.app.demo import GPT, apollo_groups, batch_of, byte_corpus
 
 TAIL = 20
 

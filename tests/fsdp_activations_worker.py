@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tierstore import Tier, TierStore
-from tierstore.demo import GPT
+from tierstore.app.demo import GPT
 
 VOCAB, LENGTH, GLOBAL_BATCH, STEPS = 64, 32, 8, 3
 

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tierstore import Tier, TierStore
-from tierstore.demo import GPT
+from tierstore.app.demo import GPT
 
 HYPER: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 MAX_NORM = 0.05

@@ -15,7 +15,7 @@ from tierstore.backends import open_backend
 from torch import nn
 
 from tierstore import ConfigError, NamespaceInUseError, Tier, TierStore
-from tierstore.demo import GPT, Block
+from tierstore.app.demo import GPT, Block
 
 LENGTH = 32
 KIB = 1024

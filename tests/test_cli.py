@@ -12,8 +12,8 @@ import torch
 
 import tierstore
 from tierstore import TierStore
-from tierstore.cli import main
-from tierstore.demo import training_failure
+from tierstore.app.cli import main
+from tierstore.app.demo import training_failure
 
 from .helpers import run_child
 
@@ -272,7 +272,7 @@ BLOCKING_TRAIN = """
 import json, sys
 for name in json.loads(sys.argv[1]):  # as if not installed: import fails, find_spec says None
     sys.modules[name] = None
-from tierstore.cli import main
+from tierstore.app.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -518,7 +518,7 @@ def test_ctrl_c_exits_130_with_one_line(command: str, tmp_path: Path) -> None:
     # inherits that: Ctrl-C's handler must be Python's own, as in a terminal.
     launcher = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "sys.argv[0] = 'tierstore'; runpy.run_module('tierstore.cli', run_name='__main__')"
+        "sys.argv[0] = 'tierstore'; runpy.run_module('tierstore.app.cli', run_name='__main__')"
     )
     child = subprocess.Popen(
         [sys.executable, "-c", launcher, *arguments],

@@ -25,7 +25,7 @@ from tierstore.integrations.deepspeed import check_deepspeed_version, validate_c
 from tierstore.integrations.deepspeed.checkpoints import CHECKPOINT_INDEX
 
 from tierstore import ConfigError, UnsupportedVersionError
-from tierstore.demo import GPT, Linear
+from tierstore.app.demo import GPT, Linear
 
 from .helpers import child_session
 

@@ -20,7 +20,7 @@ from tierstore.optimizer.device import DEVICE_SLOTS, DeviceStager, device_bytes
 from tierstore.optimizer.staging import SubGroupStager
 
 from tierstore import BufferMismatchError, ConfigError, TierStore
-from tierstore.demo import GPT
+from tierstore.app.demo import GPT
 from tierstore.testing.device import SimulatedDevice, SimulatedEvent, SimulatedStream
 
 from .helpers import make_store

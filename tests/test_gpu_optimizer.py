@@ -19,7 +19,7 @@ from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
 from tierstore.optimizer.device import DeviceStager
 
 from tierstore import BufferMismatchError, Tier, TierStore
-from tierstore.demo import GPT
+from tierstore.app.demo import GPT
 
 from .helpers import relative_error
 

@@ -5,8 +5,8 @@ import tomllib
 from pathlib import Path
 
 from tierstore import load_config
+from tierstore.app.reference import table, update
 from tierstore.config import StoreConfig
-from tierstore.reference import table, update
 
 PAGE = Path(__file__).parent.parent / "docs" / "configuration.md"
 
@@ -14,7 +14,7 @@ PAGE = Path(__file__).parent.parent / "docs" / "configuration.md"
 def test_the_configuration_page_holds_the_reference_the_models_write() -> None:
     text = PAGE.read_text()
     assert update(text) == text, (
-        "the reference is stale: run python -m tierstore.reference docs/configuration.md"
+        "the reference is stale: run python -m tierstore.app.reference docs/configuration.md"
     )
 
 

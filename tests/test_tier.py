@@ -255,7 +255,7 @@ def test_telemetry_as_dict_and_log(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_timeline_accounts_for_every_byte() -> None:
-    from tierstore.bench import Timeline, measure_path
+    from tierstore.app.bench import Timeline, measure_path
 
     path = TierPath("p", open_backend({"type": "throttle", "inner": "dram://", "write_bytes_per_s": "200MB"}))
     with Timeline([path], interval=0.01) as timeline:

@@ -12,7 +12,7 @@ option validates through that field:
   :class:`~tierstore.errors.ConfigError` ``"<argument>: must be <requirement>, not <value>"``;
 * another model taking the same option (the DeepSpeed section's ``workers``), with
   :func:`defined_in`;
-* the configuration reference (:mod:`tierstore.reference`), written from the same fields.
+* the configuration reference (:mod:`tierstore.app.reference`), written from the same fields.
 
 Either way a bool is refused where a number belongs: Python and pydantic read ``True`` as 1, so
 ``budget = true`` would be one byte and ``workers=True`` one thread. And a size in bytes (a field of

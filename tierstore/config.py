@@ -5,7 +5,7 @@ meaning in the docstring under it). The document (a dict, a JSON file or a TOML 
 through them with :func:`load_config`; :class:`~tierstore.TierStore`'s keyword arguments validate
 through the same fields (:meth:`StoreOptions.from_arguments`, the keywords named in
 :data:`STORE_ARGUMENTS`); the DeepSpeed section reuses them; the README's configuration
-reference is written from them (:mod:`tierstore.reference`). Example (TOML)::
+reference is written from them (:mod:`tierstore.app.reference`). Example (TOML)::
 
     [cache]
     budget = "2GiB"           # DRAM cache byte budget (bytes or "512MiB", "2GB"...)

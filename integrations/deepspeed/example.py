@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tierstore.demo import GPT
+from tierstore.app.demo import GPT
 
 
 def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:

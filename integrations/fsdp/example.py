@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tierstore.backends import open_backend
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from tierstore.demo import GPT, batch_of, byte_corpus
+from tierstore.app.demo import GPT, batch_of, byte_corpus
 from tierstore.store import TierStore
 from tierstore.tier import Tier
 

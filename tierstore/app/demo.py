@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .activations import ActivationOffload
-from .config import load_config
-from .optimizer import APOLLO_MINI, OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
-from .store import TierStore
+from ..activations import ActivationOffload
+from ..config import load_config
+from ..optimizer import APOLLO_MINI, OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
+from ..store import TierStore
 
 
 class Linear(nn.Linear):

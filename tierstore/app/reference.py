@@ -9,7 +9,7 @@ holds the tables between markers::
     ...
     <!-- /reference: store -->
 
-``python -m tierstore.reference docs/configuration.md`` rewrites them; a test checks they are
+``python -m tierstore.app.reference docs/configuration.md`` rewrites them; a test checks they are
 current.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ByteSize
 from pydantic.fields import FieldInfo
 
-from ._checks import requirement
-from .config import StoreConfig
-from .integrations.deepspeed.config import TierstoreSection
+from .._checks import requirement
+from ..config import StoreConfig
+from ..integrations.deepspeed.config import TierstoreSection
 
 TABLES: dict[str, tuple[type[BaseModel], frozenset[str]]] = {
     "store": (StoreConfig, frozenset()),
@@ -114,8 +114,8 @@ def _markdown(docstring: str) -> str:
 
 
 def main(arguments: list[str]) -> int:
-    """``python -m tierstore.reference docs/configuration.md``: rewrite the file's tables; with no file, print
-    them."""
+    """``python -m tierstore.app.reference docs/configuration.md``: rewrite the file's tables; with no
+    file, print them."""
     if not arguments:
         for name, (model, collapsed) in TABLES.items():
             print(f"<!-- reference: {name} -->\n{table(model, collapsed)}<!-- /reference: {name} -->\n")

@@ -15,9 +15,9 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any, Self
 
-from .buffers import AlignedBuffer
-from .limits import Priority
-from .tier import Placement, Tier, TierPath
+from ..buffers import AlignedBuffer
+from ..limits import Priority
+from ..tier import Placement, Tier, TierPath
 
 Progress = Callable[[int], None]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from .config import parse_byte_size
-from .errors import ConfigError
+from ..config import parse_byte_size
+from ..errors import ConfigError
 
 
 def byte_size(text: str) -> int:

@@ -42,17 +42,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from . import __version__
-from ._directories import missing_directories, remove_empty
+from .. import __version__
+from .._directories import missing_directories, remove_empty
+from ..backends import open_backend
+from ..bandwidth import ProbeCache, probe
+from ..config import StoreConfig, default_config, load_config
+from ..errors import ConfigError, ManifestError, TierStoreError
+from ..store import TierStore
+from ..tier import Tier
 from .arguments import byte_size, positive_byte_size, positive_int
-from .backends import open_backend
-from .bandwidth import ProbeCache, probe
 from .bench import Timeline, measure_path, measure_tier, plot_timeline
-from .config import StoreConfig, default_config, load_config
 from .demo import run_training, training_failure
-from .errors import ConfigError, ManifestError, TierStoreError
-from .store import TierStore
-from .tier import Tier
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -230,7 +230,7 @@ def _add_train(
 def _train(args: argparse.Namespace) -> int:
     """``train`` with the parsed options: one line per step on stderr, the summary on stdout (or,
     with ``--json``, the report); a run that fails its check
-    (:func:`~tierstore.demo.training_failure`) says why on stderr and ends with status 1."""
+    (:func:`~tierstore.app.demo.training_failure`) says why on stderr and ends with status 1."""
     defaults = default_config()
     directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
     defaults["tiers"][0]["backend"]["path"] = str(directory)
