@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..device import DeviceRuntime
+from ..device_runtime import DeviceRuntime
 from .entries import Entry, Step
 from .layout import DEVICE_ALIGN, HOST_ALIGN, View, capture_of, rebuild, view_of
 from .transfers import Transfers

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from ..device import DeviceRuntime
+from ..device_runtime import DeviceRuntime
 from ..errors import BandwidthUnknownError
 from ..model import SavedTensor, SpillPlan, keep_on_device, placement_speeds, plan_spill
 from ..spill_policy import SpillPolicy

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..device import DeviceRuntime
+from ..device_runtime import DeviceRuntime
 from ..errors import BandwidthUnknownError
 from ..model import placement_speeds
 from ..store import TierStore

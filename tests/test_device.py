@@ -18,7 +18,8 @@ import torch
 
 from tierstore import BufferPool, CapacityError, ConfigError, PinnedMemoryError, StagingArea, TierStore
 from tierstore.buffers import AlignedBuffer
-from tierstore.device import PIECE_BYTES, DeviceCopies, cudart_path
+from tierstore.device import PIECE_BYTES, DeviceCopies
+from tierstore.device_runtime import cudart_path
 from tierstore.memory import MemoryLedger
 from tierstore.testing.device import Operation, SimulatedDevice, SimulatedStream
 

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .device import CUDA, DeviceRuntime, lock_pages, unlock_pages
+from .device_runtime import CUDA, DeviceRuntime, lock_pages, unlock_pages
 from .errors import CapacityError
 
 ALIGNMENT = 4096

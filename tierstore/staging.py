@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from ._checks import SIZE_REQUIREMENT, byte_count
 from .buffers import AlignedBuffer, BufferPool, Lease, round_up
-from .device import DeviceRuntime
+from .device_runtime import DeviceRuntime
 from .errors import CapacityError, ConfigError
 from .memory import MemoryLedger, Reservation
 
