@@ -1,0 +1,1 @@
+"""Benchmarks of tierstore, run as modules: ``python -m benchmarks.<name>``."""
