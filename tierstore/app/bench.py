@@ -1,4 +1,5 @@
-"""Throughput measurement of paths and tiers (used by ``tierstore bench`` and the benchmarks).
+"""Throughput measurement of paths and tiers (used by ``tierstore probe``, ``tierstore bench`` and
+the benchmarks).
 
 Each measurement streams ``count`` objects of ``nbytes`` from one page-aligned buffer, ``depth``
 in flight, then reads them back into another; a :class:`Timeline` samples every path's byte
@@ -7,15 +8,23 @@ counters meanwhile, giving GB/s per path over time.
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Self
 
+from tqdm import tqdm
+
+from ..backends import open_backend
+from ..bandwidth import ProbeCache, probe
 from ..buffers import AlignedBuffer
+from ..config import StoreConfig
 from ..limits import Priority
 from ..tier import Placement, Tier, TierPath
 
@@ -178,6 +187,68 @@ def measure_round_trips(
             tier.discard(placement)
         seconds.append(time.perf_counter() - started)
     return seconds
+
+
+def run_probe(config: StoreConfig, size: int, refresh: bool) -> dict[str, Any]:
+    """Bandwidth of every path of every tier, with where each figure came from: measured now, or
+    the cache's (a probe of the same ``size`` at most a week old) unless ``refresh``."""
+    cache = ProbeCache()
+    report: dict[str, Any] = {}
+    for index, tier in enumerate(config.tiers):
+        for position, path in enumerate(tier.path_configs()):
+            identity = json.dumps(path.backend, sort_keys=True, default=str)
+            name = path.name or f"{tier.name}.{position}"
+            probed = None if refresh else cache.get(identity, size)
+            source = "cache"
+            if probed is None:
+                with open_backend(path.backend, where=f"tiers.{index}.backend") as backend:
+                    probed = probe(backend, size)
+                cache.put(identity, probed)
+                source = "measured"
+            report[name] = {
+                "tier": tier.name,
+                "backend": path.backend,
+                **probed.bandwidth.as_gbps(),
+                "probe_bytes": probed.nbytes,
+                "source": source,
+                "measured_at": datetime.fromtimestamp(probed.measured_at, UTC).isoformat(timespec="seconds"),
+            }
+    return report
+
+
+def run_bench(config: StoreConfig, size: int, count: int) -> dict[str, Any]:
+    """Each path alone, then each tier with all its paths, sampled over time."""
+    report: dict[str, Any] = {"object_bytes": size, "objects": count, "tiers": {}}
+    series: dict[str, list[tuple[float, float]]] = {}
+    offset = 0.0
+    for index, tier_config in enumerate(config.tiers):
+        tier = Tier.from_config(tier_config, where=f"tiers.{index}")
+        try:
+            phases = 2 * count * (len(tier.paths) + 1)
+            with tqdm(total=phases, desc=tier.name, unit="obj", file=sys.stderr) as bar:
+                solo = {}
+                with Timeline(tier.paths) as timeline:
+                    for path in tier.paths:
+                        solo[path.name] = measure_path(path, size, count, progress=bar.update)
+                    combined = measure_tier(tier, size, count, progress=bar.update)
+            for name, points in timeline.rates().items():
+                series[name] = series.get(name, []) + [(t + offset, g) for t, g in points]
+            offset = max((t for points in series.values() for t, _ in points), default=offset)
+            combined.pop("object_write_seconds")
+            report["tiers"][tier.name] = {
+                "placement": tier.placement,
+                "paths_alone": solo,
+                "tier": combined,
+                "sum_of_paths_alone": {
+                    side: round(sum(figures[side] for figures in solo.values()), 4)
+                    for side in ("write_gb_per_s", "read_gb_per_s")
+                },
+                "stats": tier.stats(),
+            }
+        finally:
+            tier.close()
+    report["timeline_gb_per_s"] = series
+    return report
 
 
 def _buffers(nbytes: int) -> tuple[AlignedBuffer, AlignedBuffer]:

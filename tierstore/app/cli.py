@@ -30,12 +30,10 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +42,13 @@ from tqdm import tqdm
 
 from .. import __version__
 from .._directories import missing_directories, remove_empty
-from ..backends import open_backend
-from ..bandwidth import ProbeCache, probe
-from ..config import StoreConfig, default_config, load_config
-from ..errors import ConfigError, ManifestError, TierStoreError
+from ..config import default_config, load_config
+from ..errors import TierStoreError
 from ..store import TierStore
-from ..tier import Tier
 from .arguments import byte_size, positive_byte_size, positive_int
-from .bench import Timeline, measure_path, measure_tier, plot_timeline
+from .bench import plot_timeline, run_bench, run_probe
 from .demo import run_training, training_failure
+from .inspection import inspect_summary, run_inspect, size_in_words
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,14 +158,6 @@ def _report(command: str, report: dict[str, Any], summary: str, json_path: str |
     return 0
 
 
-def _size(nbytes: int) -> str:
-    """Bytes for people: ``"36.0 MiB"``."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
-    return f"{nbytes} B"
-
-
 @contextmanager
 def _removed_if_created(directory: Path) -> Iterator[None]:
     """Remove ``directory`` afterwards, with the parents made for it, if this run created it and
@@ -265,11 +253,12 @@ def _train_summary(report: dict[str, Any], json_path: str | None) -> str:
     lines = [
         f"trained a GPT of {report['parameters'] / 1e6:.2f}M parameters for {len(steps)} steps with "
         f"{report['optimizer']}: loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}",
-        f"optimizer state: {_size(report['fp32_state_bytes'])} of fp32 in {report['subgroups']} "
-        f"sub-groups, {report['state_over_budget']}x its {_size(report['dram_budget_bytes'])} DRAM budget",
-        f"activations: {_size(activations['spilled_bytes'])} spilled through the store, at most "
-        f"{_size(activations['peak_resident_bytes'])} resident of a "
-        f"{_size(report['activation_budget_bytes'])} budget",
+        f"optimizer state: {size_in_words(report['fp32_state_bytes'])} of fp32 in {report['subgroups']} "
+        f"sub-groups, {report['state_over_budget']}x its "
+        f"{size_in_words(report['dram_budget_bytes'])} DRAM budget",
+        f"activations: {size_in_words(activations['spilled_bytes'])} spilled through the store, at most "
+        f"{size_in_words(activations['peak_resident_bytes'])} resident of a "
+        f"{size_in_words(report['activation_budget_bytes'])} budget",
         f"steps: {sum(step_seconds) / len(steps):.2f} s on average, {step_seconds[-1]:.2f} s the last; "
         + ", ".join(f"{name} {sum(rates) / len(rates):.3f} GB/s" for name, rates in tiers.items()),
     ]
@@ -454,33 +443,6 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_probe(config: StoreConfig, size: int, refresh: bool) -> dict[str, Any]:
-    """Bandwidth of every path of every tier, with where each figure came from: measured now, or
-    the cache's (a probe of the same ``size`` at most a week old) unless ``refresh``."""
-    cache = ProbeCache()
-    report: dict[str, Any] = {}
-    for index, tier in enumerate(config.tiers):
-        for position, path in enumerate(tier.path_configs()):
-            identity = json.dumps(path.backend, sort_keys=True, default=str)
-            name = path.name or f"{tier.name}.{position}"
-            probed = None if refresh else cache.get(identity, size)
-            source = "cache"
-            if probed is None:
-                with open_backend(path.backend, where=f"tiers.{index}.backend") as backend:
-                    probed = probe(backend, size)
-                cache.put(identity, probed)
-                source = "measured"
-            report[name] = {
-                "tier": tier.name,
-                "backend": path.backend,
-                **probed.bandwidth.as_gbps(),
-                "probe_bytes": probed.nbytes,
-                "source": source,
-                "measured_at": datetime.fromtimestamp(probed.measured_at, UTC).isoformat(timespec="seconds"),
-            }
-    return report
-
-
 # -- bench ---------------------------------------------------------------------------------------
 def _add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``bench`` and its options to ``commands``; its parser (whose usage its errors print)."""
@@ -527,41 +489,6 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench(config: StoreConfig, size: int, count: int) -> dict[str, Any]:
-    """Each path alone, then each tier with all its paths, sampled over time."""
-    report: dict[str, Any] = {"object_bytes": size, "objects": count, "tiers": {}}
-    series: dict[str, list[tuple[float, float]]] = {}
-    offset = 0.0
-    for index, tier_config in enumerate(config.tiers):
-        tier = Tier.from_config(tier_config, where=f"tiers.{index}")
-        try:
-            phases = 2 * count * (len(tier.paths) + 1)
-            with tqdm(total=phases, desc=tier.name, unit="obj", file=sys.stderr) as bar:
-                solo = {}
-                with Timeline(tier.paths) as timeline:
-                    for path in tier.paths:
-                        solo[path.name] = measure_path(path, size, count, progress=bar.update)
-                    combined = measure_tier(tier, size, count, progress=bar.update)
-            for name, points in timeline.rates().items():
-                series[name] = series.get(name, []) + [(t + offset, g) for t, g in points]
-            offset = max((t for points in series.values() for t, _ in points), default=offset)
-            combined.pop("object_write_seconds")
-            report["tiers"][tier.name] = {
-                "placement": tier.placement,
-                "paths_alone": solo,
-                "tier": combined,
-                "sum_of_paths_alone": {
-                    side: round(sum(figures[side] for figures in solo.values()), 4)
-                    for side in ("write_gb_per_s", "read_gb_per_s")
-                },
-                "stats": tier.stats(),
-            }
-        finally:
-            tier.close()
-    report["timeline_gb_per_s"] = series
-    return report
-
-
 # -- inspect -------------------------------------------------------------------------------------
 def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``inspect`` and its options to ``commands``; its parser (whose usage its errors print)."""
@@ -581,105 +508,7 @@ def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _inspect(args: argparse.Namespace) -> int:
     """``inspect``: the listing on stdout (or, with ``--json``, as one JSON document)."""
     report = run_inspect(load_config(args.config), args.config)
-    return _report("inspect", report, _inspect_summary(report), args.json)
-
-
-def run_inspect(config: StoreConfig, source: Path) -> dict[str, Any]:
-    """The persistent store ``config`` names, opened read-only: its keys (size, dtype, shape,
-    tier), its tiers (capacity, bytes held, each path with its location and free space).
-
-    Raises:
-        ConfigError: the config has no manifest (a scratch store keeps nothing to inspect).
-        ManifestError: no persistent store at the manifest directory.
-    """
-    if config.manifest is None:
-        raise ConfigError(
-            f"{source}: the config has no manifest, so its store is scratch space, which keeps nothing "
-            "once closed; inspect opens a persistent store (one with a manifest directory)"
-        )
-    if not config.manifest.is_dir():  # before the tiers are opened, which would create their paths
-        raise ManifestError(f"manifest {config.manifest}: no persistent store there (no such directory)")
-    # Inspecting reads the manifest only: no cache, and no bandwidth probe writing to the tiers.
-    opened = config.model_copy(
-        update={
-            "cache": config.cache.model_copy(update={"budget": 0}),
-            "memory_budget": None,
-            "tiers": [tier.model_copy(update={"probe": False}) for tier in config.tiers],
-        }
-    )
-    with TierStore.from_config(opened, read_only=True) as store:
-        keys = {}
-        for key in sorted(store.keys()):
-            info = store.info(key)
-            keys[key] = {
-                "nbytes": info.nbytes,
-                "dtype": str(info.dtype).removeprefix("torch."),
-                "shape": list(info.shape),
-                "tier": info.tier,
-            }
-        tiers = {tier.name: _tier_report(tier, keys) for tier in store.tiers}
-    return {
-        "config": str(source),
-        "manifest": str(config.manifest),
-        "objects": len(keys),
-        "bytes": sum(entry["nbytes"] for entry in keys.values()),
-        "tiers": tiers,
-        "keys": keys,
-    }
-
-
-def _tier_report(tier: Tier, keys: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A tier of an inspected store: capacity, the objects and bytes it holds, and each path's
-    location with the space its file system has free (None where it is no local directory)."""
-    paths = {}
-    for path in tier.paths:
-        location = path.backend.location()
-        shown = None if location is None else location.shown
-        usage = shutil.disk_usage(shown) if shown is not None and os.path.isdir(shown) else None
-        paths[path.name] = {
-            "location": shown,
-            "free_bytes": None if usage is None else usage.free,
-            "total_bytes": None if usage is None else usage.total,
-        }
-    held = [entry["nbytes"] for entry in keys.values() if entry["tier"] == tier.name]
-    return {
-        "capacity_bytes": tier.capacity,
-        "used_bytes": tier.used_bytes,
-        "objects": len(held),
-        "bytes": sum(held),
-        "paths": paths,
-    }
-
-
-def _inspect_summary(report: dict[str, Any]) -> str:
-    """The listing for people: the store, its tiers and paths, then one line per key."""
-    lines = [
-        f"store {report['manifest']} (opened read-only): {report['objects']} objects, "
-        f"{_size(report['bytes'])}"
-    ]
-    for name, tier in report["tiers"].items():
-        capacity = (
-            ", no capacity limit"
-            if tier["capacity_bytes"] is None
-            else f" of its capacity of {_size(tier['capacity_bytes'])}"
-        )
-        lines.append(f"tier {name}: {tier['objects']} objects, {_size(tier['used_bytes'])} used{capacity}")
-        for path_name, path in tier["paths"].items():
-            free = (
-                "free space unknown"
-                if path["free_bytes"] is None
-                else f"{_size(path['free_bytes'])} free of {_size(path['total_bytes'])}"
-            )
-            lines.append(f"  path {path_name}: {path['location'] or 'memory'}, {free}")
-    if report["keys"]:
-        width = max(len(key) for key in report["keys"])
-        lines.append(f"{'key':<{width}}  {'size':>10}  {'dtype':<9}  {'tier':<8}  shape")
-        for key, entry in report["keys"].items():
-            lines.append(
-                f"{key:<{width}}  {_size(entry['nbytes']):>10}  {entry['dtype']:<9}  "
-                f"{entry['tier'] or '-':<8}  {entry['shape']}"
-            )
-    return "\n".join(lines)
+    return _report("inspect", report, inspect_summary(report), args.json)
 
 
 if __name__ == "__main__":
