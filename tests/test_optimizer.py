@@ -8,7 +8,7 @@ from typing import Any
 import h5py
 import pytest
 import torch
-from tierstore.optimizer import OffloadedAdamW, StaleMasterWeightsError, engine, partition
+from tierstore.optimizer import OffloadedAdamW, StaleMasterWeightsError, gradients, partition
 from tierstore.optimizer.partition import KERNEL_ALIGNMENT
 
 from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, TierStore
@@ -96,7 +96,7 @@ def test_gradients_converted_a_small_chunk_at_a_time_match_torch_adamw(
 ) -> None:
     """Chunks of 64 elements cut every parameter (and the norm's pieces) at odd places; the DRAM
     budget then reserves a 64-element gradient buffer, not a sub-group's."""
-    monkeypatch.setattr(engine, "GRADIENT_CHUNK", 64)
+    monkeypatch.setattr(gradients, "GRADIENT_CHUNK", 64)
     with make_store(tmp_path, "nvme") as store:
         optimizer, reference = run_pair(
             store, grad_dtype=torch.bfloat16, steps=5, max_grad_norm=max_grad_norm, sub_group_size=1500
@@ -111,7 +111,7 @@ def test_parameters_cut_across_sub_groups_and_chunks_match_torchs_fused_adamw_bi
     """fp32 parameters of sizes off every alignment, cut by 1000-element sub-groups and 256-element
     gradient chunks: each piece gets the vector lanes it gets in torch's fused kernel over the
     whole parameter (cuts fall on :data:`KERNEL_ALIGNMENT`), so the weights are equal to the bit."""
-    monkeypatch.setattr(engine, "GRADIENT_CHUNK", 256)
+    monkeypatch.setattr(gradients, "GRADIENT_CHUNK", 256)
     model, reference = twin_parameters(SHAPES, torch.float32)
     with make_store(tmp_path, "dram") as store:
         optimizer = OffloadedAdamW(model, store, lr=1e-2, weight_decay=0.1, sub_group_size=1000)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from tierstore.optimizer import Piece, SubGroup
-from tierstore.optimizer.engine import stale_masters_error
+from tierstore.optimizer.masters import stale_masters_error
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
