@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..device import Transfer
-from ..spill_policy import Placement, ReadAhead, Residence, SpillPolicy
 from .layout import Capture
+from .spill_policy import Placement, ReadAhead, Residence, SpillPolicy
 
 Signature = list[tuple[int, torch.dtype]]
 """What a plan depends on: the sizes and dtypes of a step's captures, in save order."""

@@ -36,11 +36,11 @@ ever; ``stats()["overflow_bytes"]`` counts those bytes.
 
 TERAIO's lifetime-aware plan (``plan="lifetime"``): the first steps spill everything and profile
 each saved tensor's size, save time and first use (two steps saving the same sequence: the first
-one warms up); :func:`tierstore.model.plan_spill` then decides which to keep in memory (the
-short-lived ones of the last layers) by replaying the step with the tier's measured bandwidths.
+one warms up); :func:`tierstore.activations.replay.plan_spill` then decides which to keep in memory
+(the short-lived ones of the last layers) by replaying the step with the tier's measured bandwidths.
 The plan is reused while the sequence of saved tensors stays the same and rebuilt from a fresh
 profile when it changes. What is spilled, the order of the reads and how room is made are decided
-by one :class:`~tierstore.spill_policy.SpillPolicy`, which the replay follows too: the plan
+by one :class:`~tierstore.activations.spill_policy.SpillPolicy`, which the replay follows too: the plan
 predicts what the runtime does by construction.
 
 On a device the pool is pinned (from the first save of a device tensor) and the copies between

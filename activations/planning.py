@@ -10,12 +10,13 @@ From the profile the plan decides where each saved tensor goes:
 
 * a device's tensor whose copy to host memory and back, at the bus bandwidths measured by the
   profiled step's copies, takes longer than its lifetime stays on the device
-  (:func:`tierstore.model.keep_on_device`, within half the ``device_budget``: the other half is
-  for copies in flight and read-ahead);
-* of the others, :func:`tierstore.model.plan_spill` keeps in host memory the ones whose write and
-  read to storage could not hide (the short-lived ones of the last layers), replaying the step
-  under the same :class:`~tierstore.spill_policy.SpillPolicy` the runtime follows, with the tier's
-  measured bandwidths; when host memory holds them all, none is spilled.
+  (:func:`~tierstore.activations.replay.keep_on_device`, within half the ``device_budget``: the
+  other half is for copies in flight and read-ahead);
+* of the others, :func:`~tierstore.activations.replay.plan_spill` keeps in host memory the ones
+  whose write and read to storage could not hide (the short-lived ones of the last layers),
+  replaying the step under the same :class:`~tierstore.activations.spill_policy.SpillPolicy` the
+  runtime follows, with the tier's measured bandwidths and its striping; when host memory holds
+  them all, none is spilled.
 
 The plan is reused while the sequence of saved tensors stays the same and rebuilt from a fresh
 profile when it changes.
@@ -30,11 +31,12 @@ from typing import Any
 
 from ..device_runtime import DeviceRuntime
 from ..errors import BandwidthUnknownError
-from ..model import SavedTensor, SpillPlan, keep_on_device, placement_speeds, plan_spill
-from ..spill_policy import SpillPolicy
+from ..pass_plan import placement_speeds
 from ..store import TierStore
 from .entries import Signature, Step
 from .options import Plan
+from .replay import SavedTensor, SpillPlan, keep_on_device, plan_spill
+from .spill_policy import SpillPolicy
 
 
 class Planner:
@@ -180,7 +182,8 @@ class Planner:
                 speeds = placement_speeds(self._store)
             except BandwidthUnknownError:
                 return  # the tier has no estimate yet: profile on
-            plan = plan_spill(speeds, self._budget, [tensors[index] for index in rest], compute)
+            saved = [tensors[index] for index in rest]
+            plan = plan_spill(speeds.paths, self._budget, saved, compute, stripe_by=speeds.stripe_by)
             spill = [rest[index] for index in plan.spill]
         use_order = sorted(spill, key=lambda index: tensors[index].used_at)
         first_use = sorted(range(len(tensors)), key=lambda index: tensors[index].used_at)

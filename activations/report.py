@@ -17,7 +17,7 @@ from typing import Any
 
 from ..device_runtime import DeviceRuntime
 from ..errors import BandwidthUnknownError
-from ..model import placement_speeds
+from ..pass_plan import placement_speeds
 from ..store import TierStore
 from .entries import Step
 
@@ -108,9 +108,9 @@ def report_of(step: Step, store: TierStore, runtime: DeviceRuntime, *, wait: boo
         clock, waited = "host", step.stalls
         forward, backward = step.forward_seconds, max(0.0, step.last_use - step.forward_seconds)
     try:
-        speeds = placement_speeds(store)
-        write: float | None = sum(path.write for path in speeds)
-        read: float | None = sum(path.read for path in speeds)
+        paths = placement_speeds(store).paths
+        write: float | None = sum(path.write for path in paths)
+        read: float | None = sum(path.read for path in paths)
     except BandwidthUnknownError:
         write = read = None
     links = []

@@ -1,7 +1,7 @@
 """Admission and reads: the offloader's staging memory, the captures it writes to the store, and
 the bytes it reads back for backward, each decision taken by the step's
-:class:`~tierstore.spill_policy.SpillPolicy`; for saved tensors of a device, also the device memory
-they hold and their copies to and from it.
+:class:`~tierstore.activations.spill_policy.SpillPolicy`; for saved tensors of a device, also the
+device memory they hold and their copies to and from it.
 
 All host memory comes from one :class:`~tierstore.staging.StagingArea` of ``budget`` bytes:
 captures being written, captures kept, and bytes read back ahead of backward or being used by it.
@@ -57,12 +57,12 @@ from ..buffers import Lease
 from ..device import DeviceCopies, Transfer
 from ..errors import ConfigError, StoreClosedError
 from ..namespaces import NamespaceClaim
-from ..spill_policy import Placement, Residence, Room
 from ..staging import StagingArea
 from ..store import TierStore
 from . import cuda
 from .entries import DeviceTimes, Entry, Step
 from .layout import Capture, copy_out
+from .spill_policy import Placement, Residence, Room
 
 OUT_OF_ROOM_WAIT_S = 0.05
 """How long a save or a read waits for memory that nothing in flight will free (tensors rebuilt
@@ -73,7 +73,7 @@ class Transfers:
     """Captures into staging memory, their writes, the reads back, the copies to and from a
     device, and the room they need.
 
-    It is the :class:`~tierstore.spill_policy.SpilledTensors` of every step: the policy names
+    It is the :class:`~tierstore.activations.spill_policy.SpilledTensors` of every step: the policy names
     entries, and this carries its decisions out.
 
     Args:

@@ -21,7 +21,7 @@ compute``: on this VM the kernels' memory traffic slows the disk), the longer of
 the bound of a step that overlaps its I/O and its compute perfectly. Reported: seconds per step
 of each side (median of the steps after the first; median, min and max over repeats), bytes
 moved, DeepSpeed / tierstore, tierstore / both bounds, and the I/O model's predicted update time
-over the measured one (``tierstore.model.plan_pass`` on the bandwidths the store measured during
+over the measured one (``tierstore.pass_plan.plan_pass`` on the bandwidths the store measured during
 each step and that step's compute time; the median over steady steps).
 
     .venv/bin/python benchmarks/bench_optimizer.py --output benchmarks/results/optimizer.json
@@ -66,10 +66,10 @@ import torch
 from common import log, measure_update_bound, metadata, parse_size, run_benchmark, spread
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, StagedOptimizer
+from tierstore.pass_plan import plan_pass
 
 from tierstore import Tier, TierStore
 from tierstore.buffers import aligned_tensor
-from tierstore.model import plan_pass
 
 FP32 = 4
 SIZES: dict[str, dict[str, int]] = {

@@ -3,7 +3,7 @@
 MLP-Offload's artifact (SC'25; ``../shared/reference/mlp-offload.md``) reports the update phase and
 the iteration of GPT models of 40B-120B parameters on one node (4 GPUs, node-local NVMe and a VAST
 parallel file system), for DeepSpeed ZeRO-3 with NVMe offload (the baseline) and for MLP-Offload.
-This script predicts MLP-Offload's update phase at each size with :mod:`tierstore.model` and sets
+This script predicts MLP-Offload's update phase at each size with :mod:`tierstore.pass_plan` and sets
 it beside the measured one.
 
 What the model is given, per size, and where it comes from (the paper's text, with its stated
@@ -21,7 +21,7 @@ measured):
   the same at every size: those sub-groups skip their write and their next read;
 * **compute**: the 70B run's CPU Adam time (3.2 s per update), scaled with the parameters.
 
-The prediction is :func:`tierstore.model.transfer_seconds` over the two paths with MLP-Offload's
+The prediction is :func:`tierstore.pass_plan.transfer_seconds` over the two paths with MLP-Offload's
 static weights, or the compute where that is longer; the iteration adds the measured forward and
 backward. At 280B the artifact has no measurement (the abstract gives only a 2.5x speed-up), so
 that row is predicted from the median of the other sizes' NVMe bandwidths, with nothing to compare.
@@ -38,7 +38,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tierstore.model import PathSpeed, transfer_seconds
+from tierstore.bandwidth import PathSpeed
+from tierstore.pass_plan import transfer_seconds
 
 GB = 1e9
 STATE_BYTES = 12

@@ -36,7 +36,7 @@ import torch
 from .._checks import check_arguments
 from ..buffers import AlignedBuffer, aligned_tensor, round_up
 from ..errors import CapacityError, ConfigError, InvalidKeyError
-from ..model import keep_from_end, last_that_fit
+from ..pass_plan import keep_from_end, last_that_fit
 from ..store import TierStore
 from .options import CachePolicy, StagingOptions
 
@@ -476,7 +476,7 @@ class SubGroupStager:
 
     def _plan_keep(self, order: list[Hashable]) -> set[Hashable]:
         """What stays in the pool at the end of the pass: the I/O model's choice
-        (:func:`~tierstore.model.keep_from_end`) or MLP-Offload's last K that fit. Sizes are whole
+        (:func:`~tierstore.pass_plan.keep_from_end`) or MLP-Offload's last K that fit. Sizes are whole
         pages, as the pool carves them, so a planned set always fits the pool once the previous
         pass's kept set is gone."""
         room = self.area.capacity

@@ -24,11 +24,11 @@ import pytest
 import torch
 from tierstore.activations import ActivationOffload, Plan
 from tierstore.activations.layout import DEVICE_ALIGN
+from tierstore.activations.replay import SavedTensor, keep_on_device
 from tierstore.backends import open_backend
 from torch import nn
 
 from tierstore import Tier, TierStore
-from tierstore.model import SavedTensor, keep_on_device
 from tierstore.testing.device import SimulatedModelDevice
 
 from .test_activations import (
@@ -54,7 +54,7 @@ def sim() -> SimulatedModelDevice:
 def store_on(sim: SimulatedModelDevice, directory: Path, **options: object) -> TierStore:
     """A store whose device copies and pinned memory go through ``sim``."""
     store = TierStore([Tier("nvme", open_backend(f"nvme://{directory}"))], cache_budget=0, **options)  # type: ignore[arg-type]
-    store._device.runtime = sim
+    store._operations.device.runtime = sim
     return store
 
 

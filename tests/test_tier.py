@@ -12,9 +12,9 @@ from tierstore.backends import open_backend
 from tierstore.backends.dram import DramBackend, DramOptions
 
 from tierstore import BackendIOError, CapacityError, ConfigError, Tier, TierStore
-from tierstore.bandwidth import Bandwidth, InFlight, ThroughputMeter
+from tierstore.bandwidth import Bandwidth, InFlight, PathSpeed, ThroughputMeter
 from tierstore.limits import Priority
-from tierstore.model import PathSpeed, transfer_seconds
+from tierstore.pass_plan import transfer_seconds
 from tierstore.tier import TierPath
 
 

@@ -22,6 +22,7 @@ from filelock import FileLock
 
 from .backends.base import Backend
 from .buffers import AlignedBuffer
+from .config import StripeBy
 
 PROBE_BYTES = 64 << 20
 """Size of the object a probe writes and reads back, unless told otherwise."""
@@ -137,6 +138,37 @@ class Bandwidth:
 
     def as_gbps(self) -> dict[str, float]:
         return {"read_gb_per_s": round(self.read / 1e9, 3), "write_gb_per_s": round(self.write / 1e9, 3)}
+
+
+@dataclass(frozen=True)
+class PathSpeed:
+    """One path's bandwidth estimates, by the path's name: what a workload plans its I/O with
+    (:meth:`TierStore.bandwidths`)."""
+
+    name: str
+    read: float
+    """Bytes per second."""
+    write: float
+    """Bytes per second."""
+
+
+def stripe_weight(read: float, write: float, stripe_by: StripeBy) -> float:
+    """A path's weight among a striped tier's paths (its share is its weight over their sum), from
+    its bandwidths in bytes per second: the one rule for placement and for the I/O model.
+
+    Args:
+        read: the path's read bandwidth.
+        write: its write bandwidth.
+        stripe_by: which bandwidth sets the weight: ``"round-trip"`` (objects written and read
+            back, as an optimizer's state is): ``1 / (1/read + 1/write)``, so a write plus a read
+            of the same bytes finishes together on all paths; ``"write"`` or ``"read"``: that
+            bandwidth alone.
+    """
+    if stripe_by == "write":
+        return write
+    if stripe_by == "read":
+        return read
+    return 1.0 / (1.0 / read + 1.0 / write)
 
 
 @dataclass(frozen=True)

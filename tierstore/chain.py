@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ._futures import with_failover
+from .bandwidth import PathSpeed
 from .errors import (
     BackendIOError,
     CapacityError,
@@ -31,7 +32,6 @@ from .errors import (
 )
 from .limits import Priority
 from .manifest import token_of
-from .model import PathSpeed
 from .tier import Placement, Tier, check_distinct_locations, digest
 
 SAMPLE_EVERY = 16

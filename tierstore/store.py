@@ -57,6 +57,7 @@ from ._closeable import Closeable
 from ._futures import when_all
 from ._serial import KeyedSerializer
 from .backends import Backend
+from .bandwidth import PathSpeed
 from .buffers import AlignedBuffer
 from .cache import WriteBackCache
 from .catalog import Catalog, Record
@@ -76,7 +77,6 @@ from .errors import (
 from .limits import Priority
 from .manifest import Manifest
 from .memory import MemoryLedger
-from .model import PathSpeed
 from .namespaces import Namespaces, check_key
 from .staging import StagingArea
 from .tier import Placement, Tier

@@ -30,7 +30,7 @@ from . import placement as planner
 from ._checks import SIZE_REQUIREMENT, byte_count, choices
 from ._futures import when_all, with_failover
 from .backends import Backend, Location, open_backend
-from .bandwidth import Bandwidth, InFlight, ProbeCache, ThroughputMeter, probe
+from .bandwidth import Bandwidth, InFlight, ProbeCache, ThroughputMeter, probe, stripe_weight
 from .config import PathConfig, PlacementPolicy, StripeBy, TierConfig
 from .errors import (
     BackendIOError,
@@ -331,19 +331,12 @@ class Tier:
             self.used_bytes -= nbytes
 
     def weights(self) -> list[float]:
-        """Each path's share. ``round-trip`` (default, for objects written and read back, as an
-        optimizer's state is): ``1 / (1/read + 1/write)``, so a write plus a read of the same bytes
-        finishes together on all paths; ``write`` or ``read``: that bandwidth alone. Equal while
-        any path is still unmeasured."""
+        """Each path's weight, by :func:`~tierstore.bandwidth.stripe_weight` of its bandwidth
+        estimates and the tier's ``stripe_by``; equal while any path is still unmeasured."""
         estimates = [path.bandwidth() for path in self.paths]
         if any(estimate is None for estimate in estimates):
             return [1.0] * len(self.paths)
-        known = [e for e in estimates if e is not None]
-        if self.stripe_by == "write":
-            return [e.write for e in known]
-        if self.stripe_by == "read":
-            return [e.read for e in known]
-        return [1.0 / (1.0 / e.read + 1.0 / e.write) for e in known]
+        return [stripe_weight(e.read, e.write, self.stripe_by) for e in estimates if e is not None]
 
     def plan(self, nbytes: int, excluded: frozenset[int] = frozenset()) -> tuple[Extent, ...]:
         """Extents for a new object, on the paths not ``excluded`` (failed)."""

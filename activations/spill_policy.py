@@ -2,8 +2,8 @@
 in, and how room is made when the memory budget is full.
 
 One policy drives two executions of a step, so that a plan's prediction follows what the runtime
-does by construction: :mod:`tierstore.activations` carries its decisions out on real memory, writes
-and reads, and :func:`tierstore.model.replay_spill` carries them out on a simulated timeline to
+does by construction: the offloader carries its decisions out on real memory, writes and reads,
+and :func:`tierstore.activations.replay.replay_spill` carries them out on a simulated timeline to
 judge a plan. Each describes the saved tensors of one step to the policy through
 :class:`SpilledTensors` and does what it decides.
 

@@ -1,183 +1,24 @@
-"""I/O performance model of a pass over offloaded objects (pure functions, no I/O).
+"""The activation spill simulator: one profiled step replayed on a simulated timeline, and the
+plans judged by it.
 
-A *pass* (one optimizer step, say) visits every object in an order: read it from its tier unless
-it is still in DRAM, update it, write it back unless it stays in DRAM. With MLP-Offload's
-alternating order (forward, then reverse), the objects at the end of one pass are the first of the
-next, so an object kept in DRAM saves both its write now and its read next pass.
-
-The model predicts a pass's time from the paths' bandwidths (striped tier: every path serves its
-share of the reads and the writes, and the slowest path sets the time), chooses stripe weights,
-and chooses which objects to keep cached: walking back from the end of the pass, every object
-that still fits beside the working set. That is never worse than MLP-Offload's static choice (the
-last K objects that fit), since it takes those and then any smaller ones further back.
+The I/O model of a pass (:mod:`tierstore.pass_plan`) applied to the other big consumer of training
+memory: tensors saved in forward for backward. A spilled tensor is written while forward goes on
+and read back before backward needs it, on the paths of the tier the store places it on, striped
+as that tier stripes. The replay executes the
+:class:`~tierstore.activations.spill_policy.SpillPolicy` that :mod:`tierstore.activations` executes
+at run time, so its predicted time, by which a plan is judged, follows the runtime's decisions by
+construction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .errors import BandwidthUnknownError, ConfigError
+from ..bandwidth import PathSpeed
+from ..config import StripeBy
+from ..pass_plan import stripe_weights, transfer_seconds
 from .spill_policy import ReadAhead, Residence, Room, SpillPolicy
-
-if TYPE_CHECKING:
-    from .store import TierStore
-
-
-@dataclass(frozen=True)
-class PathSpeed:
-    name: str
-    read: float
-    """Bytes per second."""
-    write: float
-
-
-def stripe_weights(paths: Sequence[PathSpeed]) -> list[float]:
-    """Shares that make one write plus one read of a stripe take equal time on every path."""
-    if not paths or any(p.read <= 0 or p.write <= 0 for p in paths):
-        raise ConfigError(f"paths: every path needs positive read and write bandwidth, got {list(paths)}")
-    return [1.0 / (1.0 / p.read + 1.0 / p.write) for p in paths]
-
-
-def transfer_seconds(
-    paths: Sequence[PathSpeed], weights: Sequence[float], read_bytes: float, write_bytes: float
-) -> float:
-    """Time to read and write these bytes striped by ``weights``: the slowest path's time."""
-    total = sum(weights)
-    return max(
-        (read_bytes / p.read + write_bytes / p.write) * w / total for p, w in zip(paths, weights, strict=True)
-    )
-
-
-def placement_speeds(store: TierStore) -> list[PathSpeed]:
-    """The speeds a workload plans its I/O with: those of the store's first tier, where its objects
-    are placed, from :meth:`TierStore.bandwidths` (measured online, else as configured or probed;
-    a path without an estimate yet is left out).
-
-    Raises :class:`BandwidthUnknownError` while no path of the tier has an estimate, rather than
-    plan with made-up speeds: a plan that depends on them waits for the store to measure some
-    traffic (or configure the paths' ``bandwidth``, or set ``probe = true``, to plan at once)."""
-    tier, speeds = next(iter(store.bandwidths().items()), ("", []))
-    if not speeds:
-        raise BandwidthUnknownError(
-            f"tier {tier!r}: no path has a bandwidth estimate yet (none configured or probed, and too "
-            "little traffic measured)"
-        )
-    return speeds
-
-
-@dataclass(frozen=True)
-class PassPlan:
-    weights: list[float]
-    keep: list[int]
-    """Objects (indices into ``sizes``) to leave in DRAM at the end of the pass."""
-    read_bytes: int
-    write_bytes: int
-    predicted_seconds: float
-    """Steady-state pass time with ``keep`` cached."""
-    no_cache_seconds: float
-    static_seconds: float
-    """With MLP-Offload's static choice: the last K objects of the pass that fit."""
-    explanation: list[str] = field(default_factory=list)
-
-    def explain(self) -> str:
-        return "\n".join(self.explanation)
-
-
-def plan_pass(
-    paths: Sequence[PathSpeed],
-    budget: int,
-    sizes: Sequence[int],
-    order: Sequence[int] | None = None,
-    *,
-    working_bytes: int | None = None,
-    compute_seconds: float = 0.0,
-) -> PassPlan:
-    """Stripe weights, objects to keep cached, and the predicted time of a steady-state pass.
-
-    ``working_bytes`` is DRAM the pass itself needs (the object being updated and those being
-    prefetched or written back); by default two of the largest objects. ``compute_seconds`` is the
-    update's own time, overlapped with I/O.
-    """
-    order = list(range(len(sizes))) if order is None else list(order)
-    if sorted(order) != list(range(len(sizes))):
-        raise ConfigError(f"order: must visit each of the {len(sizes)} objects exactly once, got {order}")
-    weights = stripe_weights(paths)
-    working = 2 * max(sizes, default=0) if working_bytes is None else working_bytes
-    room = max(0, budget - working)
-    total = sum(sizes)
-
-    keep = keep_from_end(sizes, room, order)
-    kept = sum(sizes[index] for index in keep)
-    static_kept = sum(sizes[index] for index in last_that_fit(sizes, room, order))
-
-    def seconds(cached: int) -> float:
-        io = transfer_seconds(paths, weights, total - cached, total - cached)
-        return max(io, compute_seconds)
-
-    plan = PassPlan(
-        weights=weights,
-        keep=keep,
-        read_bytes=total - kept,
-        write_bytes=total - kept,
-        predicted_seconds=seconds(kept),
-        no_cache_seconds=seconds(0),
-        static_seconds=seconds(static_kept),
-    )
-    share = [w / sum(weights) for w in weights]
-    plan.explanation.extend(
-        [
-            f"{len(sizes)} objects, {total / 1e9:.3f} GB; DRAM budget {budget / 1e9:.3f} GB, "
-            f"{working / 1e9:.3f} GB of it for the working set, {room / 1e9:.3f} GB left to keep objects",
-            "stripe shares: "
-            + ", ".join(
-                f"{p.name} {s:.1%} (read {p.read / 1e9:.2f}, write {p.write / 1e9:.2f} GB/s)"
-                for p, s in zip(paths, share, strict=True)
-            ),
-            f"keep {len(keep)} objects ({kept / 1e9:.3f} GB) from the end of the pass: they open the "
-            "next (reversed) pass, saving their write now and their read then",
-            f"predicted pass: {plan.predicted_seconds:.3f} s (static last-K choice "
-            f"{plan.static_seconds:.3f} s, nothing cached {plan.no_cache_seconds:.3f} s)",
-        ]
-    )
-    return plan
-
-
-def keep_from_end(sizes: Sequence[int], room: int, order: Sequence[int]) -> list[int]:
-    """The model's choice of objects to keep in DRAM at the end of a pass that visits ``sizes``
-    (bytes) in ``order``, with ``room`` bytes to keep them in: walking back from the end, every
-    object that still fits beside those taken (sorted indices). Each kept byte saves a write now
-    and a read next pass on every path alike, so the paths' speeds change the pass's time, not
-    the choice."""
-    keep: list[int] = []
-    kept = 0
-    for index in reversed(order):
-        if kept + sizes[index] <= room:
-            keep.append(index)
-            kept += sizes[index]
-    return sorted(keep)
-
-
-def last_that_fit(sizes: Sequence[int], room: int, order: Sequence[int]) -> list[int]:
-    """MLP-Offload's static choice, as :func:`keep_from_end` takes its arguments: the objects from
-    the end of the pass back to the first that does not fit (sorted indices)."""
-    keep: list[int] = []
-    kept = 0
-    for index in reversed(order):
-        if kept + sizes[index] > room:
-            break
-        keep.append(index)
-        kept += sizes[index]
-    return sorted(keep)
-
-
-# -- activation spill ------------------------------------------------------------------------------
-# The same paths and striping, applied to the other big consumer of training memory: tensors saved
-# in forward for backward. A spilled tensor is written while forward goes on and read back before
-# backward needs it. The replay below executes the SpillPolicy that tierstore.activations executes
-# at run time on a simulated timeline of one profiled step, so its predicted time, by which a plan
-# is judged, follows the runtime's decisions by construction.
 
 
 @dataclass(frozen=True)
@@ -232,18 +73,21 @@ def replay_spill(
     tensors: Sequence[SavedTensor],
     spill: set[int],
     compute_seconds: float,
+    *,
+    stripe_by: StripeBy = "round-trip",
 ) -> _Replay:
     """Replay one step: what it costs to spill ``spill`` and keep the rest, within ``budget``.
 
-    The step runs under the :class:`~tierstore.spill_policy.SpillPolicy` of a plan that spills
-    ``spill`` and reads back in the profiled use order, as ``tierstore.activations`` runs it.
-    Memory is counted as the runtime's pool counts it: a saved tensor is resident from its save
-    (a kept one until its use, a spilled one until its write ends unless read-ahead hands it back),
-    and a spilled tensor again from the start of its read until its use. Writes and reads share
-    the paths in issue order. Bytes that find no room go to ordinary memory (``overflow_bytes``).
+    The step runs under the :class:`~tierstore.activations.spill_policy.SpillPolicy` of a plan
+    that spills ``spill`` and reads back in the profiled use order, as ``tierstore.activations``
+    runs it. Memory is counted as the runtime's pool counts it: a saved tensor is resident from its
+    save (a kept one until its use, a spilled one until its write ends unless read-ahead hands it
+    back), and a spilled tensor again from the start of its read until its use. Writes and reads
+    share the paths in issue order, striped by ``stripe_by`` (the tier's). Bytes that find no room
+    go to ordinary memory (``overflow_bytes``).
     """
     policy = SpillPolicy(frozenset(spill), tuple(_use_order(spill, tensors)))
-    return _StepReplay(paths, budget, tensors, policy).run(compute_seconds)
+    return _StepReplay(paths, budget, tensors, policy, stripe_by).run(compute_seconds)
 
 
 def _use_order(spill: Collection[int], tensors: Sequence[SavedTensor]) -> list[int]:
@@ -252,13 +96,19 @@ def _use_order(spill: Collection[int], tensors: Sequence[SavedTensor]) -> list[i
 
 
 class _StepReplay:
-    """One step on a simulated timeline: the :class:`~tierstore.spill_policy.SpilledTensors` that
-    ``policy`` decides for, with memory counted against ``budget`` and I/O timed on ``paths``."""
+    """One step on a simulated timeline: the
+    :class:`~tierstore.activations.spill_policy.SpilledTensors` that ``policy`` decides for, with
+    memory counted against ``budget`` and I/O timed on ``paths`` (striped by ``stripe_by``)."""
 
     def __init__(
-        self, paths: Sequence[PathSpeed], budget: int, tensors: Sequence[SavedTensor], policy: SpillPolicy
+        self,
+        paths: Sequence[PathSpeed],
+        budget: int,
+        tensors: Sequence[SavedTensor],
+        policy: SpillPolicy,
+        stripe_by: StripeBy,
     ) -> None:
-        self.paths, self.weights, self.budget = paths, stripe_weights(paths), budget
+        self.paths, self.weights, self.budget = paths, stripe_weights(paths, stripe_by), budget
         self.tensors, self.policy = tensors, policy
         self.now = 0.0
         self.channel = 0.0
@@ -407,21 +257,24 @@ def plan_spill(
     budget: int,
     tensors: Sequence[SavedTensor],
     compute_seconds: float,
+    *,
+    stripe_by: StripeBy = "round-trip",
 ) -> SpillPlan:
     """Which saved tensors to keep in memory, TERAIO-style: from the profiled lifetimes.
 
     Start from spilling everything, then keep tensors in order of their shortest lifetime (saved
     late, used early: the last layers, whose write and read can hardly hide behind compute) as long
     as each one lowers the replayed step time and sends no bytes to ordinary memory (none that
-    the budget could not hold).
+    the budget could not hold). ``stripe_by`` is the tier's: how its paths share the bytes (see
+    :func:`~tierstore.pass_plan.stripe_weights`).
     """
     if not tensors:  # nothing to spill is a plan too, and needs no bandwidth to make
         return SpillPlan([], frozenset(), [], compute_seconds, compute_seconds, 0.0, 0.0, 0, compute_seconds)
     spill = set(range(len(tensors)))
-    spill_all = replay_spill(paths, budget, tensors, spill, compute_seconds)
+    spill_all = replay_spill(paths, budget, tensors, spill, compute_seconds, stripe_by=stripe_by)
     best = spill_all
     for i in sorted(spill, key=lambda i: tensors[i].used_at - tensors[i].saved_at):
-        trial = replay_spill(paths, budget, tensors, spill - {i}, compute_seconds)
+        trial = replay_spill(paths, budget, tensors, spill - {i}, compute_seconds, stripe_by=stripe_by)
         if trial.overflow_bytes == 0 and trial.seconds <= best.seconds:
             spill.discard(i)
             best = trial
@@ -442,7 +295,7 @@ def plan_spill(
         [
             f"{len(tensors)} saved tensors, {sum(t.nbytes for t in tensors) / 1e6:.1f} MB; budget "
             f"{budget / 1e6:.1f} MB; compute {compute_seconds:.3f} s per step",
-            "paths: "
+            f"paths (striped by {stripe_by}): "
             + ", ".join(f"{p.name} (read {p.read / 1e9:.2f}, write {p.write / 1e9:.2f} GB/s)" for p in paths),
             f"keep {len(keep)} ({sum(tensors[i].nbytes for i in keep) / 1e6:.1f} MB): the shortest "
             "lifetimes, whose I/O would not hide behind compute",
