@@ -29,7 +29,7 @@ same directory; one disk: the times add). The ratios are the issue's targets: ho
 storage tier <= 1.10x its disk bound, checkpoint-input mode at recomputation's GPU memory or less
 for <= 1.05x its step.
 
-    python benchmarks/bench_activations.py --device cuda --long \
+    python -m benchmarks.bench_activations --device cuda --long \
         --output benchmarks/results/gpu/activations.json
 """
 
@@ -49,12 +49,13 @@ from typing import Any
 
 import torch
 import xxhash
-from common import log, metadata, spread
 from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
 from tierstore.bandwidth import probe
+
+from .common import ROOT, log, metadata, module_command, spread
 
 VARIANTS = (
     "keep",
@@ -270,14 +271,14 @@ def _run_child(
 ) -> dict[str, Any]:
     name = f"{variant}-{shape}-{repeat}"
     output = directory / f"{name}.json"
-    command = [sys.executable, str(Path(__file__).with_name("bench_activations.py")), "--device", "cuda"]
+    command = [*module_command("bench_activations"), "--device", "cuda"]
     command += ["--child", variant, "--shape", shape, "--dir", str(directory / name), "--json", str(output)]
     for option in ("layers", "width", "intermediate", "heads", "vocab", "steps"):
         command += [f"--{option}", str(getattr(args, option))]
     for option in ("budget", "storage_budget", "device_budget", "min_bytes"):
         command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     environment = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, check=False, env=environment)
+    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, check=False, env=environment, cwd=ROOT)
     sys.stderr.write(done.stderr)
     if done.returncode != 0:
         return {"variant": variant, "shape": shape, "failed": done.stderr[-3000:]}

@@ -17,7 +17,7 @@ process holds and what its tensors need. Resident saved-activation bytes are als
 tensors of at least ``--min-bytes`` autograd holds for backward, measured by a counting hook for
 the baselines and by the offloader for tierstore.
 
-    python benchmarks/bench_activations.py --output benchmarks/results/activations.json
+    python -m benchmarks.bench_activations --output benchmarks/results/activations.json
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import activations_gpu
 import torch
-from common import log, metadata, parse_size, positive_int, run_benchmark
 from tierstore.activations import ActivationOffload
 from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
 from tierstore.app.demo import GPT, batch_of, byte_corpus
+
+from . import activations_gpu
+from .common import ROOT, log, metadata, module_command, parse_size, positive_int, run_benchmark
 
 VARIANTS = ("keep", "recompute", "tierstore-all", "tierstore-lifetime")
 ALLOCATORS: dict[str, dict[str, str]] = {"default": {}, "mmap-1MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
@@ -171,13 +172,13 @@ def run_variant(
 ) -> dict[str, Any]:
     name = f"{variant}-{allocator}-{repeat}"
     output = directory / f"{name}.json"
-    command = [sys.executable, __file__, "--child", variant, "--dir", str(directory / name)]
+    command = [*module_command("bench_activations"), "--child", variant, "--dir", str(directory / name)]
     command += ["--json", str(output)]
     for option in ("layers", "width", "length", "batch", "steps", "verify"):
         command += [f"--{option}", str(getattr(args, option))]
     command += ["--budget", str(args.budget), "--min-bytes", str(args.min_bytes)]
     environment = {**os.environ, **ALLOCATORS[allocator]}
-    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, check=False, env=environment)
+    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, check=False, env=environment, cwd=ROOT)
     sys.stderr.write(done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")

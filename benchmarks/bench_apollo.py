@@ -14,7 +14,7 @@ Reported per side: seconds per step (median of the steps after the first) and by
 written; the summary gives APOLLO-Mini's bytes and time as ratios to the others'. Targets (issue
 16): bytes <= 0.4x AdamW's, >= 2.5x faster than offloaded AdamW, >= 3x faster than DeepSpeed.
 
-    .venv/bin/python benchmarks/bench_apollo.py --output benchmarks/results/apollo.json
+    .venv/bin/python -m benchmarks.bench_apollo --output benchmarks/results/apollo.json
 
 ``--no-deepspeed`` leaves the DeepSpeed side out (it needs ``deepspeed`` and Debian ``libaio-dev``).
 """
@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_optimizer import steady, timed_steps
-from common import log, measure_fio, metadata, parse_size, run_benchmark
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
 
 from tierstore import Tier, TierStore
+
+from .bench_optimizer import steady, timed_steps
+from .common import ROOT, log, measure_fio, metadata, module_command, parse_size, run_benchmark
 
 STATE_BYTES_PER_PARAM = 12  # AdamW: fp32 master weights + two moments
 
@@ -81,11 +82,10 @@ def offloaded_side(args: argparse.Namespace, directory: Path, name: str, make: F
 
 def deepspeed_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """bench_optimizer.py's DeepSpeed side, in a child process, over the same state and budget."""
-    script = Path(__file__).with_name("bench_optimizer.py")
-    command = [sys.executable, str(script), "--side", "deepspeed", "--dir", str(directory)]
+    command = [*module_command("bench_optimizer"), "--side", "deepspeed", "--dir", str(directory)]
     command += ["--state", str(args.state), "--budget", str(args.budget), "--numel", str(args.numel)]
     child = subprocess.run(
-        [*command, "--steps", str(args.steps)], capture_output=True, text=True, check=False
+        [*command, "--steps", str(args.steps)], capture_output=True, text=True, check=False, cwd=ROOT
     )
     if child.returncode != 0:
         raise RuntimeError(f"DeepSpeed side failed:\n{child.stderr[-3000:]}")

@@ -22,7 +22,7 @@ The table goes to stderr, the JSON to stdout (and to ``--output``).
 Run from the repository root as root (the data goes to a fresh directory under ``./bench-data``,
 which is removed at the end; pass ``--dir`` to use another directory on the disk under test)::
 
-    .venv/bin/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
+    .venv/bin/python -m benchmarks.bench_backends --output benchmarks/results/backends.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
+from tierstore.backends import Backend, open_backend
+
+from tierstore.buffers import AlignedBuffer
+
+from .common import (
     argument_parser,
     check_same,
     drop_caches,
@@ -47,9 +51,6 @@ from common import (
     run_benchmark,
     timed,
 )
-from tierstore.backends import Backend, open_backend
-
-from tierstore.buffers import AlignedBuffer
 
 BACKENDS = ("dram", "nvme", "zarr", "adios2")
 TARGET_RATIO = 0.7

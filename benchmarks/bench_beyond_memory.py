@@ -19,7 +19,7 @@ device and the device's busy time (``/proc/diskstats``), and the process's RSS e
 end its peak RSS (VmHWM) and the disk footprint of its folders. The parent alternates the variants
 over ``--repeats``, cleans each run's folders before the next, and checks free disk space first.
 
-    python benchmarks/bench_beyond_memory.py --output benchmarks/results/beyond_memory.json
+    python -m benchmarks.bench_beyond_memory --output benchmarks/results/beyond_memory.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from common import log
+from .common import ROOT, log, measure_update_bound, module_command, run_benchmark
 
 VARIANTS = ("zero-infinity", "tierstore")
 """The variants that train at the full size; ``cpu-offload`` is measured where it fits."""
@@ -363,7 +363,8 @@ def run_child(
     given); its report."""
     directory.mkdir(parents=True, exist_ok=True)
     report = directory / report_name
-    command = [sys.executable, __file__, "--child", variant, "--dir", str(directory), "--json", str(report)]
+    command = [*module_command("bench_beyond_memory"), "--child", variant, "--dir", str(directory)]
+    command += ["--json", str(report)]
     for option in ("width", "length", "batch", "sub_group_size", "buffer_count", "live_parameters"):
         command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     command += ["--layers", str(layers or args.layers), "--steps", str(steps or args.steps)]
@@ -377,7 +378,7 @@ def run_child(
         "MASTER_PORT": str(free_port()),
     }
     process = subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
     with memory_cgroup(process.pid, machine_memory_bytes() - MEMORY_HEADROOM) as killed_at_limit:
         try:
@@ -480,8 +481,6 @@ def cpu_offload_fit(args: argparse.Namespace, directory: Path) -> dict[str, Any]
 def device_bound(args: argparse.Namespace, directory: Path, rows: list[dict[str, Any]]) -> dict[str, float]:
     """fio replaying a tierstore run's steady optimizer-step I/O (its median bytes read and
     written, over files the size of its sub-groups): the device's limit for that step."""
-    from common import measure_update_bound
-
     steady = rows[STEADY_FROM - 1 :]
     read = int(statistics.median(row["read_bytes"] for row in steady))
     written = int(statistics.median(row["written_bytes"] for row in steady))
@@ -685,9 +684,6 @@ def main() -> int:
         args.variant = args.child
         args.json.write_text(json.dumps(child(args)))
         return 0
-    sys.path.insert(0, str(Path(__file__).parent))
-    from common import run_benchmark
-
     return run_benchmark(run, args, prefix="beyond-memory-", needs_fio=True)
 
 

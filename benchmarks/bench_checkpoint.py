@@ -35,7 +35,7 @@ write again here, a virtual machine, as ``copy_after``, the same copy right afte
 shows), and the fast-tier commit of ``tierstore`` within 1.15x of fio writing the same bytes. Run
 from the repository root::
 
-    .venv/bin/python benchmarks/bench_checkpoint.py --output benchmarks/results/checkpoint.json
+    .venv/bin/python -m benchmarks.bench_checkpoint --output benchmarks/results/checkpoint.json
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ from typing import Any
 
 import torch
 import xxhash
-from common import (
+from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
+from .common import (
     drop_caches,
     format_size,
     log,
@@ -65,11 +71,6 @@ from common import (
     run_benchmark,
     spread,
 )
-from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_loader import load
-from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 TARGETS = {"async_blocked_vs_copy": 1.0, "commit_vs_fio_write": 1.15}
 VARIANTS = ("filesystem", "filesystem_async", "tierstore", "tierstore_async", "tierstore_async_budget", "fio")

@@ -20,7 +20,7 @@ tier are the medians, and the ratio of the most to the fewest held, repeat by re
 writer's and the reader's open within 1.25x of their peer. The checkpoints can be tiny: what grows
 is their count. Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_checkpoint_open.py --output benchmarks/results/checkpoint_open.json
+    .venv/bin/python -m benchmarks.bench_checkpoint_open --output benchmarks/results/checkpoint_open.json
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import format_size, log, metadata, parse_size, positive_int, run_benchmark, spread
 from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter
 from torch.distributed.checkpoint.state_dict_saver import save
+
+from .common import format_size, log, metadata, parse_size, positive_int, run_benchmark, spread
 
 TARGET = 1.25
 """The most a writer's or a reader's open may take with the most checkpoints held, against the fewest."""

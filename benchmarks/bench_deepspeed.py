@@ -10,7 +10,7 @@ their min and max. The linear layers multiply in fp32 by default (``--matmul-dty
 CPU without native bf16 the bf16 backward alone takes ~35 s a step here, which no storage layer
 changes; weights and gradients stay bf16, so both sides move the same bytes as in bf16 training.
 
-    python benchmarks/bench_deepspeed.py --output benchmarks/results/deepspeed.json
+    python -m benchmarks.bench_deepspeed --output benchmarks/results/deepspeed.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import log, metadata, positive_int, run_benchmark, spread
+from .common import log, metadata, positive_int, run_benchmark, spread
 
 PHASES = ("forward_s", "backward_s", "step_s", "iteration_s")
 

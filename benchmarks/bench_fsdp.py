@@ -15,8 +15,8 @@ save and load time of a checkpoint (model + optimizer state; tierstore's streame
 over steady-state steps (every step after the first) and repeats, tierstore's beside torch's as
 ratios.
 
-    python benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json                  # full size
-    python benchmarks/bench_fsdp.py --width 512 --layers 4 --steps 4 --repeats 1 --output ... # short
+    python -m benchmarks.bench_fsdp --output benchmarks/results/fsdp.json                  # full size
+    python -m benchmarks.bench_fsdp --width 512 --layers 4 --steps 4 --repeats 1 --output ... # short
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import log, metadata, positive_int, run_benchmark, spread
+from .common import ROOT, log, metadata, module_command, positive_int, run_benchmark, spread
 
 SIDES = ("torch", "tierstore")
 
@@ -242,10 +242,10 @@ def train(side: str, args: argparse.Namespace, directory: Path, repeat: int) -> 
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.ranks)),
             }
-            command = [sys.executable, __file__, "--rank-worker", json.dumps(document)]
+            command = [*module_command("bench_fsdp"), "--rank-worker", json.dumps(document)]
             processes.append(
                 subprocess.Popen(
-                    command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                    command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
                 )
             )
         logs = [process.communicate()[0] for process in processes]

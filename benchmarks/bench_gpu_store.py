@@ -14,7 +14,7 @@ so that the span timed is the traffic's), the traffic's rate as bytes moved over
 headline is ``compute_kept``: the matmul rate with the traffic over the rate alone (target
 >= 0.90). The bytes read back are checked against the bytes put.
 
-    python benchmarks/bench_gpu_store.py --output benchmarks/results/gpu/gpu_store.json
+    python -m benchmarks.bench_gpu_store --output benchmarks/results/gpu/gpu_store.json
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import log, metadata, parse_size, positive_int, run_benchmark, spread
 from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
+
+from .common import log, metadata, parse_size, positive_int, run_benchmark, spread
 
 VARIANTS = ("compute", "traffic", "both")
 TARGET = 0.90

@@ -17,7 +17,7 @@ and the target (ratio >= 0.9).
 Run from the repository root (the data goes to a fresh directory under ``./bench-data``, which is
 removed at the end; pass ``--dir`` to use another directory on the disk under test)::
 
-    .venv/bin/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
+    .venv/bin/python -m benchmarks.bench_nvme --output benchmarks/results/nvme.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
+from tierstore.backends import Backend, open_backend
+
+from tierstore.buffers import AlignedBuffer
+
+from .common import (
     argument_parser,
     check_same,
     fill_random,
@@ -41,9 +45,6 @@ from common import (
     run_benchmark,
     timed,
 )
-from tierstore.backends import Backend, open_backend
-
-from tierstore.buffers import AlignedBuffer
 
 TARGET_RATIO = 0.9
 """tierstore should reach at least this fraction of fio's bandwidth on every figure."""

@@ -24,13 +24,13 @@ moved, DeepSpeed / tierstore, tierstore / both bounds, and the I/O model's predi
 over the measured one (``tierstore.pass_plan.plan_pass`` on the bandwidths the store measured during
 each step and that step's compute time; the median over steady steps).
 
-    .venv/bin/python benchmarks/bench_optimizer.py --output benchmarks/results/optimizer.json
+    .venv/bin/python -m benchmarks.bench_optimizer --output benchmarks/results/optimizer.json
 
 With ``--sizes`` it measures tierstore alone at each state size instead (state larger than RAM):
 seconds per GB moved (also against the same-run device bound), peak RSS against budget + model
 (bf16 parameters and gradients), and the page cache's growth, a fresh process per size::
 
-    .venv/bin/python benchmarks/bench_optimizer.py --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB \\
+    .venv/bin/python -m benchmarks.bench_optimizer --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB \\
         --output benchmarks/results/optimizer_scale.json
 
 Needs ``pip install deepspeed==0.19.8`` and Debian ``libaio-dev``; the first run JIT-builds
@@ -41,7 +41,7 @@ the update on the GPU, the state streamed from the store), against its PCIe and 
 torch's fused AdamW on the GPU, alternating, in one run (see ``optimizer_gpu.py``); sized by default
 to run within about two minutes on one H100 whose disk writes 1.3 GB/s::
 
-    .venv/bin/python benchmarks/bench_optimizer.py --device cuda \\
+    .venv/bin/python -m benchmarks.bench_optimizer --device cuda \\
         --output benchmarks/results/gpu/optimizer.json
 """
 
@@ -61,15 +61,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyspy_breakdown
 import torch
-from common import log, measure_update_bound, metadata, parse_size, run_benchmark, spread
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, StagedOptimizer
-from tierstore.pass_plan import plan_pass
 
 from tierstore import Tier, TierStore
 from tierstore.buffers import aligned_tensor
+from tierstore.pass_plan import plan_pass
+
+from . import pyspy_breakdown
+from .common import (
+    ROOT,
+    log,
+    measure_update_bound,
+    metadata,
+    module_command,
+    parse_size,
+    run_benchmark,
+    spread,
+)
 
 FP32 = 4
 SIZES: dict[str, dict[str, int]] = {
@@ -356,8 +366,7 @@ def bounded(run: dict[str, Any], directory: Path, beside: list[str] | None = Non
 
 def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[str]:
     return [
-        sys.executable,
-        __file__,
+        *module_command("bench_optimizer"),
         f"--side={side}",
         f"--dir={directory}",
         f"--state={args.state}",
@@ -369,7 +378,9 @@ def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[
 
 def child(side: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """One side in a fresh process: each has the machine and its page cache to itself."""
-    done = subprocess.run(child_command(side, args, directory), capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        child_command(side, args, directory), capture_output=True, text=True, check=False, cwd=ROOT
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{side} side failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -379,7 +390,7 @@ def child(side: str, args: argparse.Namespace, directory: Path) -> dict[str, Any
 def profiled(args: argparse.Namespace, directory: Path) -> dict[str, dict[str, float]]:
     """An extra tierstore run under py-spy (not timed: sampling slows it a little)."""
     samples = directory / "pyspy.txt"
-    pyspy_breakdown.record(child_command("tierstore", args, directory), samples)
+    pyspy_breakdown.record(child_command("tierstore", args, directory), samples, cwd=ROOT)
     return pyspy_breakdown.breakdown(samples, phase=re.compile(r"^\w+\.step \(.*engine\.py"))
 
 
@@ -534,7 +545,7 @@ def main() -> int:
             raise SystemExit(
                 "bench_optimizer --device cuda needs a CUDA device (torch.cuda.is_available() is False)"
             )
-        import optimizer_gpu
+        from . import optimizer_gpu
 
         return run_benchmark(optimizer_gpu.run, args, prefix="optimizer-gpu-", needs_fio=False)
     if args.side == "compute":

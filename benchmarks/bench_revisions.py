@@ -1,21 +1,23 @@
 """The working tree against an earlier revision, on the hot paths: a change's "no slower" check.
 
-Two workloads, each run by the benchmark script of the revision under test, in a fresh process
-per run, alternating between the revisions (A B, B A, ...) so that the disk's drift between runs
-falls on both alike:
+Two workloads, each run by the benchmark of the revision under test, in a fresh process per run,
+alternating between the revisions (A B, B A, ...) so that the disk's drift between runs falls on
+both alike:
 
-* **update**: the offloaded optimizer's update phase (``bench_optimizer.py --side tierstore``):
+* **update**: the offloaded optimizer's update phase (``bench_optimizer --side tierstore``):
   ``--state`` bytes of fp32 AdamW state in sub-groups through an NVMe (O_DIRECT) tier under
   ``--budget`` of DRAM. Figure: seconds per step, median of the steps after the first.
-* **activations**: activation offload of a small GPT (``bench_activations.py --child
+* **activations**: activation offload of a small GPT (``bench_activations --child
   tierstore-lifetime``). Figure: seconds per training step, median of the steps after warm-up.
 
 The earlier revision is checked out in a temporary git worktree and imported from a tree of links
 laid out as the installed package (its folders map to ``tierstore.*`` as the package's do), with
-the same interpreter and libraries. Reported per workload: each revision's median, min and max
+the same interpreter and libraries. Each revision runs its benchmarks as modules of its
+``benchmarks`` package, or, in a revision from before that package, as the scripts
+``benchmarks/<name>.py``. Reported per workload: each revision's median, min and max
 over repeats, the bytes each run moved, and the working tree's median over the base's (below 1: faster).
 
-    .venv/bin/python benchmarks/bench_revisions.py --base HEAD --output benchmarks/results/revisions.json
+    .venv/bin/python -m benchmarks.bench_revisions --base HEAD --output benchmarks/results/revisions.json
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common import format_size, log, metadata, parse_size, positive_int, run_benchmark, spread
+from .common import ROOT, format_size, log, metadata, parse_size, positive_int, run_benchmark, spread
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_FOLDERS = ("backends", "optimizer", "activations", "checkpoint", "integrations")
 """Top-level folders installed as ``tierstore.<name>`` (pyproject's package-dir)."""
 ACTIVATION_WARMUP = 2
@@ -42,7 +43,8 @@ ACTIVATION_WARMUP = 2
 
 @contextmanager
 def revision_tree(revision: str) -> Iterator[tuple[Path, Path]]:
-    """Check ``revision`` out in a temporary worktree; yield (its root, its import tree)."""
+    """Check ``revision`` out in a temporary worktree; yield (its root, its import tree: its package
+    laid out as installed, and its ``benchmarks``)."""
     with tempfile.TemporaryDirectory(prefix="tierstore-revision-") as scratch:
         root, imports = Path(scratch) / "tree", Path(scratch) / "imports"
         subprocess.run(
@@ -57,41 +59,22 @@ def revision_tree(revision: str) -> Iterator[tuple[Path, Path]]:
             for folder in PACKAGE_FOLDERS:
                 if (root / folder).is_dir():
                     (package / folder).symlink_to(root / folder)
+            (imports / "benchmarks").symlink_to(root / "benchmarks")
             yield root, imports
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(root)], check=True)
 
 
-def update_command(args: argparse.Namespace, directory: Path) -> list[str]:
-    return [
-        "benchmarks/bench_optimizer.py",
-        "--side",
-        "tierstore",
-        "--dir",
-        str(directory),
-        "--state",
-        str(args.state),
-        "--budget",
-        str(args.budget),
-        "--numel",
-        str(args.numel),
-        "--steps",
-        str(args.steps),
-    ]
+def update_arguments(args: argparse.Namespace, directory: Path) -> list[str]:
+    """``bench_optimizer``'s arguments for one run of tierstore's update phase in ``directory``."""
+    sizes = {"state": args.state, "budget": args.budget, "numel": args.numel, "steps": args.steps}
+    return ["--side=tierstore", f"--dir={directory}", *(f"--{name}={value}" for name, value in sizes.items())]
 
 
-def activations_command(args: argparse.Namespace, directory: Path) -> list[str]:
-    return [
-        "benchmarks/bench_activations.py",
-        "--child",
-        "tierstore-lifetime",
-        "--json",
-        str(directory / "result.json"),
-        "--dir",
-        str(directory / "tier"),
-        "--steps",
-        str(args.steps + ACTIVATION_WARMUP),
-    ]
+def activations_arguments(args: argparse.Namespace, directory: Path) -> list[str]:
+    """``bench_activations``' arguments for one child run of tierstore's lifetime plan in ``directory``."""
+    files = [f"--json={directory / 'result.json'}", f"--dir={directory / 'tier'}"]
+    return ["--child=tierstore-lifetime", *files, f"--steps={args.steps + ACTIVATION_WARMUP}"]
 
 
 def update_figures(stdout: str, directory: Path) -> tuple[float, int]:
@@ -109,17 +92,33 @@ def activation_figures(stdout: str, directory: Path) -> tuple[float, int]:
 Figures = Callable[[str, Path], tuple[float, int]]
 """A run's figures from its standard output and its directory: seconds per step, and the bytes its
 measured steps moved (the same on both revisions, or they did not do the same work)."""
-WORKLOADS: dict[str, tuple[Callable[[argparse.Namespace, Path], list[str]], Figures]] = {
-    "update": (update_command, update_figures),
-    "activations": (activations_command, activation_figures),
+WORKLOADS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], list[str]], Figures]] = {
+    "update": ("bench_optimizer", update_arguments, update_figures),
+    "activations": ("bench_activations", activations_arguments, activation_figures),
 }
+"""Each workload: the benchmark that runs it, its arguments for a run in a folder, its figures."""
+
+
+def benchmark_command(module: str, root: Path, imports: Path | None) -> tuple[list[str], Path]:
+    """How the revision at ``root`` runs its benchmark ``module``, and the folder to run it in.
+
+    A module of its ``benchmarks`` package, run from the folder that leads to the revision's package:
+    its import tree (``imports``, which holds its ``benchmarks`` too) or, for the working tree, its
+    root. (From a worktree's root, its bare ``tierstore/`` folder would be imported instead of the
+    import tree, and its subpackages found in the working tree's installed package.) In a revision
+    from before the package, the script ``benchmarks/<module>.py``, from ``root``.
+    """
+    if not (root / "benchmarks" / "__init__.py").is_file():
+        return [sys.executable, f"benchmarks/{module}.py"], root
+    return [sys.executable, "-m", f"benchmarks.{module}"], imports or root
 
 
 def run_once(
     workload: str, args: argparse.Namespace, root: Path, imports: Path | None, scratch: Path
 ) -> tuple[float, int]:
-    """One run of ``workload`` with the benchmark script and the package of ``root``."""
-    command, figure = WORKLOADS[workload]
+    """One run of ``workload`` with the benchmark and the package of ``root``."""
+    module, arguments, figure = WORKLOADS[workload]
+    command, folder = benchmark_command(module, root, imports)
     environment = dict(os.environ)
     if imports is not None:  # ahead of the installed (editable) package of the working tree
         environment["PYTHONPATH"] = os.pathsep.join(
@@ -127,8 +126,8 @@ def run_once(
         )
     with tempfile.TemporaryDirectory(prefix=f"{workload}-", dir=scratch) as directory:
         done = subprocess.run(
-            [sys.executable, *command(args, Path(directory))],
-            cwd=root,
+            [*command, *arguments(args, Path(directory))],
+            cwd=folder,
             env=environment,
             check=False,
             capture_output=True,

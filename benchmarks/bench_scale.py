@@ -15,7 +15,7 @@ per-object cost to the smallest count's of the same size (flat = about 1). The m
 and small, so figures move by tens of percent between runs; ratios within one run are the point.
 Never part of the test suite. Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale \\
+    .venv/bin/python -m benchmarks.bench_scale --dir /dev/shm/bench-scale \\
         --output benchmarks/results/scale.json
 """
 
@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import format_size, log, metadata, parse_size, run_benchmark
 
 from tierstore import TierStore
+
+from .common import ROOT, format_size, log, metadata, module_command, parse_size, run_benchmark
 
 OPERATIONS = ("put", "flush", "close", "reopen", "get", "delete")
 BATCH = 10_000
@@ -111,8 +112,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             log(f"case {format_size(nbytes)} x {count} in {case_dir}")
             child = subprocess.run(
                 [
-                    sys.executable,
-                    __file__,
+                    *module_command("bench_scale"),
                     "--case",
                     str(nbytes),
                     str(count),
@@ -122,6 +122,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 capture_output=True,
                 text=True,
                 check=False,
+                cwd=ROOT,
             )
             sys.stderr.write(child.stderr)
             if child.returncode != 0:

@@ -20,7 +20,7 @@ Three measurements, each path alone and the tier together in the same run:
 Page caches are dropped between the write and read phases when running as root. GB/s = 1e9 B/s.
 Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json
+    .venv/bin/python -m benchmarks.bench_virtual_tier --output benchmarks/results/virtual_tier.json
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import drop_caches, log, metadata, parse_size, run_benchmark
 from tierstore.backends import open_backend
 from tierstore.backends.throttle import ThrottleBackend
 
 from tierstore.app.bench import measure_path, measure_round_trips, measure_tier
 from tierstore.tier import Tier, TierPath
+
+from .common import drop_caches, log, metadata, parse_size, run_benchmark
 
 EMULATED = {"fast": 400e6, "mid": 200e6, "slow": 100e6}
 REMOTE_TIER = Path(__file__).resolve().parents[2] / "shared" / "tools" / "remote-tier.sh"

@@ -1,7 +1,8 @@
-"""Pieces shared by the benchmark scripts: arguments, data directory, fio, buffers, metadata.
+"""Pieces shared by the benchmarks: arguments, data directory, child processes, fio, buffers,
+metadata.
 
-The scripts import it as ``from common import ...``, which works because running
-``python benchmarks/bench_*.py`` puts ``benchmarks/`` on ``sys.path``.
+The benchmarks are modules of the ``benchmarks`` package, run from the folder that holds it (the
+repository's root) as ``python -m benchmarks.<name>``; they import this as ``from .common import ...``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import torch
 from tierstore.app.arguments import positive_byte_size
 from tierstore.app.arguments import positive_int as positive_int  # the scripts take it from here
 from tierstore.buffers import AlignedBuffer
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The folder that holds the ``benchmarks`` package: the repository's root, or the GPU check's copy."""
 
 FIO_BLOCK = 4 << 20
 """fio's --bs (fio reads "4M" as 4 MiB)."""
@@ -87,6 +91,12 @@ def argument_parser(doc: str, sizes: str, repeats: int) -> argparse.ArgumentPars
 
 
 # -- running ---------------------------------------------------------------------------------------
+def module_command(module: str) -> list[str]:
+    """The command that runs the benchmark ``module`` (``"bench_optimizer"``) in a fresh process
+    with this interpreter, arguments to follow; run it with ``cwd=ROOT``, where the package is found."""
+    return [sys.executable, "-m", f"benchmarks.{module}"]
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

@@ -6,7 +6,7 @@ Each quoted table lives between markers and is rewritten from ``benchmarks/resul
     ...
     <!-- /figures: optimizer -->
 
-``python benchmarks/figures.py README.md docs/performance.md`` rewrites them (``make bench`` does,
+``python -m benchmarks.figures README.md docs/performance.md`` rewrites them (``make bench`` does,
 after the benchmarks); ``tests/test_docs_figures.py`` checks they are current, so a quoted figure
 is always the one its JSON holds. Each table starts with the command that regenerates its JSON
 (the same line as in the Makefile's ``bench`` target), the date and the machine.
@@ -532,7 +532,7 @@ def outside_blocks(text: str) -> str:
 
 
 def main(arguments: list[str]) -> int:
-    """``python benchmarks/figures.py FILE...``: rewrite each file's figures blocks."""
+    """``python -m benchmarks.figures FILE...``: rewrite each file's figures blocks."""
     for argument in arguments:
         path = Path(argument)
         path.write_text(update(path.read_text()))

@@ -27,7 +27,7 @@ device bound (target <= 1.10) and host / PCIe bound (target <= 1.10), each over 
 memory a step allocates beyond the model and its gradients (``torch.cuda.max_memory_allocated``)
 over ``gpu_budget`` + the ring (``device_staging_bytes``), target <= 1.0.
 
-    python benchmarks/bench_optimizer.py --device cuda --output benchmarks/results/gpu/optimizer.json
+    python -m benchmarks.bench_optimizer --device cuda --output benchmarks/results/gpu/optimizer.json
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import log, metadata, spread
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW
 from tierstore.optimizer.device import DeviceStager
 
 from tierstore import Tier, TierStore
 from tierstore.bandwidth import probe
+
+from .common import log, metadata, spread
 
 STATE_BYTES_PER_PARAM = 12
 """fp32 master weights and two moments of a bf16 parameter."""

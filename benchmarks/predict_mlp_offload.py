@@ -26,7 +26,7 @@ static weights, or the compute where that is longer; the iteration adds the meas
 backward. At 280B the artifact has no measurement (the abstract gives only a 2.5x speed-up), so
 that row is predicted from the median of the other sizes' NVMe bandwidths, with nothing to compare.
 
-    .venv/bin/python benchmarks/predict_mlp_offload.py --output benchmarks/results/mlp_offload_prediction.json
+    .venv/bin/python -m benchmarks.predict_mlp_offload --output benchmarks/results/mlp_offload_prediction.json
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ RATE = 100
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("checksums", re.compile(r"^(digest|xxh3\w*) ")),
     ("adam kernel", re.compile(r"^(\w+\.)?(_update|_adamw) \(.*(adamw|apollo)\.py")),
-    ("gradient conversion", re.compile(r"^(\w+\.)?(_gradients|_gradient_chunks|_scaled) \(")),
+    ("gradient conversion", re.compile(r"^(\w+\.)?(_gradients|_?gradient_chunks|_scaled) \(")),
     ("gradient norm", re.compile(r"^(\w+\.)?_gradient_coefficient \(")),
     ("copies", re.compile(r"^(_copy|\w+\._copy_to_model|\w+\._write_back_pack) \(")),
     (
@@ -35,8 +35,8 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
 """(category, rule on one frame ``function (file:line)``), tried in order on each frame."""
 
 
-def record(command: list[str], output: Path) -> None:
-    """Run ``command`` under py-spy, writing raw samples to ``output``."""
+def record(command: list[str], output: Path, cwd: Path) -> None:
+    """Run ``command`` under py-spy in the folder ``cwd``, writing raw samples to ``output``."""
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:
         raise RuntimeError("py-spy is not installed: pip install py-spy")
@@ -59,6 +59,7 @@ def record(command: list[str], output: Path) -> None:
         capture_output=True,
         text=True,
         check=False,
+        cwd=cwd,
     )
     if done.returncode != 0:
         raise RuntimeError(f"py-spy failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -5,7 +5,7 @@ steps each, both optimizers' fp32 state on an NVMe (O_DIRECT) tier under a DRAM 
 Reports both loss curves (JSON and a PNG) and the final losses (mean of the last 20 steps); the
 target (issue 16) is APOLLO-Mini's final loss within 5% of AdamW's. Small enough for 2 cores:
 
-    .venv/bin/python benchmarks/quality_apollo.py --output benchmarks/results/apollo_quality.json \\
+    .venv/bin/python -m benchmarks.quality_apollo --output benchmarks/results/apollo_quality.json \\
         --plot benchmarks/results/apollo_quality.png
 """
 
