@@ -1,0 +1,334 @@
+"""Compressed optimizer state: the formats a sub-group's state is stored in, and their kernels.
+
+An offloaded AdamW moves its whole state through the store every step: fp32 master weights and two
+fp32 moments, 12 bytes per parameter each way (8 for an fp32 parameter, its own master). A
+:class:`StatePrecision` stores fewer:
+
+* **moments** (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``): ``"fp32"``; ``"bf16"`` (rounded
+  to nearest, 2 bytes); ``"int8"``, 8-bit blockwise quantisation (1 byte, and a 4-byte absmax per
+  :data:`BLOCK` elements): each block of a row is divided by its largest magnitude and each value
+  rounded to the nearest entry of a dynamic-tree map (:func:`dynamic_map`: a decimal exponent and
+  a linear fraction, more fraction steps for larger magnitudes; the signed map for ``exp_avg``, the
+  non-negative one for the second moments, as 8-bit Adam quantises them);
+* **master** weights of low-precision (bf16, fp16) parameters: ``"fp32"``, or
+  ``"bf16-compensated"``: the parameter itself plus a bf16 compensation term (Kahan), the rounding
+  error the parameter lost, 2 bytes. The master is ``param + compensation`` in fp32; after the
+  update the parameter takes it rounded and the compensation what rounding left, so updates
+  smaller than the parameter's resolution accumulate instead of vanishing. An fp32 parameter is
+  its own master in every format.
+
+Each sub-group is dequantised into fp32, updated by the optimizer's own fp32 kernel and quantised
+back, so blocks never straddle sub-groups (each row's blocks start at the sub-group's start). The
+kernels are torch operations over whole rows (no Python loop per block) and run wherever the
+tensors are: the CPU path and the device path share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from ..errors import ConfigError
+
+BLOCK = 256
+"""Elements per quantisation block of an ``int8`` row (one fp32 absmax each)."""
+
+QUANTISE_CHUNK = 1 << 20
+"""Elements quantised at a time (a multiple of :data:`BLOCK`): bounds the kernels' temporaries."""
+
+ALIGNMENT = 64
+"""Bytes: every segment of a packed sub-group starts at a multiple of this."""
+
+MomentFormat = Literal["fp32", "bf16", "int8"]
+MasterFormat = Literal["fp32", "bf16-compensated"]
+RowKind = Literal["master", "signed", "nonnegative"]
+"""What a row of a sub-group's state holds: master weights, a signed moment (``exp_avg``) or a
+non-negative one (``exp_avg_sq``, ``max_exp_avg_sq``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePrecision:
+    """How a sub-group's state is stored.
+
+    Attributes:
+        moments: the moments' format: ``"fp32"``, ``"bf16"`` or ``"int8"`` (blockwise, dynamic-tree).
+        master: low-precision parameters' master weights: ``"fp32"`` or ``"bf16-compensated"``
+            (the parameter plus a bf16 compensation term).
+    """
+
+    moments: MomentFormat = "fp32"
+    master: MasterFormat = "fp32"
+
+    @property
+    def name(self) -> str:
+        """The preset's name (:data:`PRESETS`) if it is one, else ``moments/master``."""
+        for name, preset in PRESETS.items():
+            if preset == self:
+                return name
+        return f"{self.moments}/{self.master}"
+
+    @property
+    def compressed(self) -> bool:
+        """Whether anything is stored in less than fp32."""
+        return self != FP32_STATE
+
+
+FP32_STATE = StatePrecision()
+PRESETS: dict[str, StatePrecision] = {
+    "fp32": FP32_STATE,
+    "bf16": StatePrecision("bf16"),
+    "int8": StatePrecision("int8"),
+    "int8-compensated": StatePrecision("int8", "bf16-compensated"),
+}
+"""The named formats: fp32 (the default, exact), bf16 moments, 8-bit moments, and 8-bit moments
+with a compensated bf16 master."""
+
+
+def state_precision(value: object, where: str = "state_precision") -> StatePrecision:
+    """``value`` as a :class:`StatePrecision`: a preset's name (:data:`PRESETS`), a
+    :class:`StatePrecision`, or a mapping with ``moments`` and ``master``.
+
+    Raises:
+        ConfigError: anything else, naming ``where`` and the accepted values.
+    """
+    if isinstance(value, str) and value in PRESETS:
+        return PRESETS[value]
+    if isinstance(value, dict) and set(value) <= {"moments", "master"}:
+        value = StatePrecision(**value)
+    if (
+        isinstance(value, StatePrecision)
+        and value.moments in ("fp32", "bf16", "int8")
+        and value.master in ("fp32", "bf16-compensated")
+    ):
+        return value
+    raise ConfigError(
+        f"{where}: must be one of {', '.join(repr(name) for name in PRESETS)} or a StatePrecision"
+        f"(moments='fp32'|'bf16'|'int8', master='fp32'|'bf16-compensated'), not {value!r}"
+    )
+
+
+@functools.cache
+def _maps(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dynamic-tree map (CPU, fp32, sorted) and the midpoints between its neighbours."""
+    decades = 7 if signed else 8  # the sign takes a bit of the signed map
+    values = [0.0]
+    for exponent in range(decades):  # decade 10^(exponent - decades + 1), 2^exponent fractions
+        steps = 1 << exponent
+        fractions = [0.1 + 0.9 * step / steps for step in range(1, steps + 1)]
+        scale = 10.0 ** (exponent - decades + 1)
+        values += [scale * fraction for fraction in fractions]
+        if signed:
+            values += [-scale * fraction for fraction in fractions]
+    table = torch.tensor(sorted(values), dtype=torch.float32)
+    return table, (table[1:] + table[:-1]) / 2
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 8-bit dynamic-tree map of normalised values (fp32, sorted, at most 256 entries): 0, and
+    per decimal exponent ``d`` (10^-6..10^0 signed, 10^-7..10^0 non-negative) the fractions
+    ``0.1 + 0.9 k / 2^i`` (``k = 1..2^i``, ``i`` counting decades up from the smallest) times 10^d,
+    with both signs for the signed map: 255 entries either way, ±1.0 among them."""
+    return _maps(signed)[0].clone()
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
+    """8-bit blockwise quantisation of a row: per :data:`BLOCK` elements (the last block may be
+    shorter) the largest magnitude into ``absmax``, and each value divided by it rounded to the
+    nearest entry of :func:`dynamic_map` (its index into ``codes``).
+
+    Args:
+        values: the fp32 row.
+        codes: uint8, as many as ``values``.
+        absmax: fp32, one per block (``ceil(len(values) / BLOCK)``).
+        signed: the signed map (a moment of either sign) or the non-negative one.
+    """
+    _, midpoints = _maps(signed)
+    midpoints = _on(midpoints, values.device)
+    for start in range(0, values.numel(), QUANTISE_CHUNK):
+        part = values[start : start + QUANTISE_CHUNK]
+        blocks = -(-part.numel() // BLOCK)
+        padded = torch.nn.functional.pad(part, (0, blocks * BLOCK - part.numel())).view(blocks, BLOCK)
+        peak = absmax[start // BLOCK : start // BLOCK + blocks]
+        torch.amax(padded.abs(), dim=1, out=peak)
+        normalised = padded / torch.where(peak > 0, peak, 1.0).unsqueeze(1)
+        index = torch.searchsorted(midpoints, normalised.view(-1), out_int32=True)
+        codes[start : start + part.numel()].copy_(index[: part.numel()])
+
+
+def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
+    """The inverse of :func:`quantise_blockwise`: each code's map entry times its block's absmax,
+    into the fp32 row ``out``."""
+    table = _on(_maps(signed)[0], out.device)
+    for start in range(0, out.numel(), QUANTISE_CHUNK):
+        part = out[start : start + QUANTISE_CHUNK]
+        blocks = -(-part.numel() // BLOCK)
+        values = table[codes[start : start + part.numel()].long()]
+        padded = torch.nn.functional.pad(values, (0, blocks * BLOCK - part.numel())).view(blocks, BLOCK)
+        padded.mul_(absmax[start // BLOCK : start // BLOCK + blocks].unsqueeze(1))
+        part.copy_(padded.view(-1)[: part.numel()])
+
+
+def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
+    """The compensation term of fp32 ``master`` weights whose parameter holds them rounded to
+    ``param_dtype``: ``master - rounded`` in bf16, kept strictly within half the parameter's
+    resolution so that ``param + compensation`` rounds back to the parameter."""
+    rounded = master.to(param_dtype).float()
+    compensation.copy_(master - rounded)
+    ties = (rounded + compensation.float()).to(param_dtype).float() != rounded
+    if bool(ties.any()):  # an exact half-step (a power of two): one bf16 step towards zero
+        compensation.copy_(torch.where(ties, compensation.float() * (1 - 2.0**-8), compensation.float()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A row's bytes in a packed sub-group: its values and, for ``int8``, its block maxima."""
+
+    kind: RowKind
+    format: str
+    """``"fp32"``, ``"bf16"``, ``"int8"`` or ``"bf16-compensated"``."""
+    offset: int
+    nbytes: int
+    absmax_offset: int = 0
+
+
+_WIDTHS = {"fp32": 4, "bf16": 2, "int8": 1, "bf16-compensated": 2}
+"""Bytes per element of each format."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """A sub-group's state rows (each ``numel`` values) as stored in ``precision``: the byte
+    segments of one packed object, a whole number of fp32 words.
+
+    Args:
+        kinds: what each row holds, in the state's order.
+        numel: the sub-group's elements (each row's length).
+        precision: the format.
+    """
+
+    kinds: tuple[RowKind, ...]
+    numel: int
+    precision: StatePrecision
+
+    @functools.cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """Each row's segment, in row order."""
+        return self._packing[0]
+
+    @property
+    def words(self) -> int:
+        """fp32 words of the packed object."""
+        return self._packing[1] // 4
+
+    @functools.cached_property
+    def _packing(self) -> tuple[tuple[Segment, ...], int]:
+        segments, offset = [], 0
+        blocks = -(-self.numel // BLOCK)
+        for kind in self.kinds:
+            fmt = self.precision.master if kind == "master" else self.precision.moments
+            nbytes = _aligned(_WIDTHS[fmt] * self.numel)
+            segments.append(Segment(kind, fmt, offset, nbytes, offset + nbytes))
+            offset += nbytes + (_aligned(4 * blocks) if fmt == "int8" else 0)
+        return tuple(segments), offset
+
+    @functools.cached_property
+    def _padding(self) -> tuple[tuple[int, int], ...]:
+        """The byte ranges between the segments' values, written as zeros (a packed object's bytes
+        are all determined by its state)."""
+        ranges, blocks = [], -(-self.numel // BLOCK)
+        for segment in self.segments:
+            ranges.append(
+                (segment.offset + _WIDTHS[segment.format] * self.numel, segment.offset + segment.nbytes)
+            )
+            if segment.format == "int8":
+                ranges.append(
+                    (segment.absmax_offset + 4 * blocks, segment.absmax_offset + _aligned(4 * blocks))
+                )
+        return tuple((start, end) for start, end in ranges if end > start)
+
+    def _view(self, packed: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` values of ``dtype`` from byte ``offset`` of ``packed``."""
+        return packed.view(torch.uint8)[offset : offset + count * dtype.itemsize].view(dtype)
+
+    def decode(
+        self,
+        packed: torch.Tensor,
+        rows: torch.Tensor,
+        windows: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> None:
+        """Unpack into fp32 ``rows`` (``len(kinds) x numel``).
+
+        Args:
+            packed: the packed object (fp32 words).
+            rows: the fp32 state, filled.
+            windows: for a compensated master, each low-precision piece's offset in the sub-group
+                and its parameter's elements; the master is ``param + compensation`` there and
+                zero elsewhere.
+        """
+        for segment, row in zip(self.segments, rows.view(len(self.kinds), self.numel), strict=True):
+            if segment.format == "fp32":
+                row.copy_(self._view(packed, segment.offset, self.numel, torch.float32))
+            elif segment.format == "bf16":
+                row.copy_(self._view(packed, segment.offset, self.numel, torch.bfloat16))
+            elif segment.format == "int8":
+                codes = packed.view(torch.uint8)[segment.offset : segment.offset + self.numel]
+                absmax = self._view(packed, segment.absmax_offset, -(-self.numel // BLOCK), torch.float32)
+                dequantise_blockwise(codes, absmax, row, segment.kind == "signed")
+            else:
+                compensation = self._view(packed, segment.offset, self.numel, torch.bfloat16)
+                row.zero_()
+                for offset, window in windows:
+                    part = row[offset : offset + window.numel()]
+                    part.copy_(window)
+                    part.add_(compensation[offset : offset + window.numel()])
+
+    def encode(
+        self, rows: torch.Tensor, packed: torch.Tensor, dtypes: Sequence[tuple[int, int, torch.dtype]] = ()
+    ) -> None:
+        """Pack fp32 ``rows`` into ``packed``.
+
+        Args:
+            rows: the fp32 state (``len(kinds) x numel``).
+            packed: the packed object (fp32 words), written.
+            dtypes: for a compensated master, each low-precision piece's offset, length and
+                parameter dtype; the compensation is zero elsewhere.
+        """
+        raw = packed.view(torch.uint8)
+        for start, end in self._padding:
+            raw[start:end].zero_()
+        for segment, row in zip(self.segments, rows.view(len(self.kinds), self.numel), strict=True):
+            if segment.format == "fp32":
+                self._view(packed, segment.offset, self.numel, torch.float32).copy_(row)
+            elif segment.format == "bf16":
+                self._view(packed, segment.offset, self.numel, torch.bfloat16).copy_(row)
+            elif segment.format == "int8":
+                codes = packed.view(torch.uint8)[segment.offset : segment.offset + self.numel]
+                absmax = self._view(packed, segment.absmax_offset, -(-self.numel // BLOCK), torch.float32)
+                quantise_blockwise(row, codes, absmax, segment.kind == "signed")
+            else:
+                compensation = self._view(packed, segment.offset, self.numel, torch.bfloat16)
+                compensation.zero_()
+                for offset, length, dtype in dtypes:
+                    compensate(row[offset : offset + length], dtype, compensation[offset : offset + length])
+
+
+def bytes_per_element(kinds: Sequence[RowKind], precision: StatePrecision) -> float:
+    """Bytes stored per parameter element for rows ``kinds`` (block maxima included, alignment
+    padding of a sub-group excluded)."""
+    total = 0.0
+    for kind in kinds:
+        fmt = precision.master if kind == "master" else precision.moments
+        total += _WIDTHS[fmt] + (4 / BLOCK if fmt == "int8" else 0)
+    return total
