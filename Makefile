@@ -61,31 +61,31 @@ $(VENV)/.bench: $(VENV)/.test
 	touch $@
 
 # Every benchmark whose figures the README or the docs quote, then those figures rewritten from the
-# new JSON (benchmarks/figures.py; tests/test_docs_figures.py checks each command is here). Hours:
+# new JSON (benchmarks.figures; tests/test_docs_figures.py checks each command is here). Hours:
 # the optimizer runs move tens of GB, and the last is the showcase below.
 bench: $(VENV)/.bench
-	$(BIN)/python benchmarks/bench_nvme.py --output benchmarks/results/nvme.json
-	$(BIN)/python benchmarks/bench_backends.py --output benchmarks/results/backends.json
-	$(BIN)/python benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json
-	$(BIN)/python benchmarks/bench_optimizer.py --repeats 5 --profile --output benchmarks/results/optimizer.json
-	$(BIN)/python benchmarks/bench_optimizer.py --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB --steps 3 \
+	$(BIN)/python -m benchmarks.bench_nvme --output benchmarks/results/nvme.json
+	$(BIN)/python -m benchmarks.bench_backends --output benchmarks/results/backends.json
+	$(BIN)/python -m benchmarks.bench_virtual_tier --output benchmarks/results/virtual_tier.json
+	$(BIN)/python -m benchmarks.bench_optimizer --repeats 5 --profile --output benchmarks/results/optimizer.json
+	$(BIN)/python -m benchmarks.bench_optimizer --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB --steps 3 \
 		--output benchmarks/results/optimizer_scale.json
-	$(BIN)/python benchmarks/predict_mlp_offload.py --output benchmarks/results/mlp_offload_prediction.json
-	$(BIN)/python benchmarks/bench_apollo.py --output benchmarks/results/apollo.json
-	$(BIN)/python benchmarks/quality_apollo.py --output benchmarks/results/apollo_quality.json \
+	$(BIN)/python -m benchmarks.predict_mlp_offload --output benchmarks/results/mlp_offload_prediction.json
+	$(BIN)/python -m benchmarks.bench_apollo --output benchmarks/results/apollo.json
+	$(BIN)/python -m benchmarks.quality_apollo --output benchmarks/results/apollo_quality.json \
 		--plot benchmarks/results/apollo_quality.png
-	$(BIN)/python benchmarks/bench_deepspeed.py --steps 5 --repeats 3 --output benchmarks/results/deepspeed.json
-	$(BIN)/python benchmarks/bench_activations.py --repeats 3 --output benchmarks/results/activations.json
+	$(BIN)/python -m benchmarks.bench_deepspeed --steps 5 --repeats 3 --output benchmarks/results/deepspeed.json
+	$(BIN)/python -m benchmarks.bench_activations --repeats 3 --output benchmarks/results/activations.json
 	RFS_SIZE=12G ../shared/tools/remote-tier.sh start
-	$(BIN)/python benchmarks/bench_checkpoint.py --repeats 3 --remote-mount /tmp/tierstore-remote/mnt \
+	$(BIN)/python -m benchmarks.bench_checkpoint --repeats 3 --remote-mount /tmp/tierstore-remote/mnt \
 		--output benchmarks/results/checkpoint.json
 	../shared/tools/remote-tier.sh stop
-	$(BIN)/python benchmarks/bench_checkpoint_open.py --output benchmarks/results/checkpoint_open.json
-	$(BIN)/python benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
-	$(BIN)/python benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json
-	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 --plot benchmarks/results/beyond_memory.png \
+	$(BIN)/python -m benchmarks.bench_checkpoint_open --output benchmarks/results/checkpoint_open.json
+	$(BIN)/python -m benchmarks.bench_scale --dir /dev/shm/bench-scale --output benchmarks/results/scale.json
+	$(BIN)/python -m benchmarks.bench_fsdp --output benchmarks/results/fsdp.json
+	$(BIN)/python -m benchmarks.bench_beyond_memory --save-steps 3 --plot benchmarks/results/beyond_memory.png \
 		--output benchmarks/results/beyond_memory.json
-	$(BIN)/python benchmarks/figures.py README.md docs/performance.md docs/fsdp.md
+	$(BIN)/python -m benchmarks.figures README.md docs/performance.md docs/fsdp.md
 
 # The documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing reference
 # or a docstring warning fails the build. Its tools are the docs extra, installed here only.
@@ -99,7 +99,7 @@ docs: $(VENV)/.docs
 # A ~1B-parameter Llama trained by Trainer beyond this machine's memory: tierstore beside DeepSpeed
 # (about 25 minutes; needs ~50 GB free on the disk under test).
 showcase: $(VENV)/.bench
-	$(BIN)/python benchmarks/bench_beyond_memory.py --save-steps 3 \
+	$(BIN)/python -m benchmarks.bench_beyond_memory --save-steps 3 \
 		--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json
 
 clean:

@@ -24,29 +24,30 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 COMMANDS: dict[str, str] = {
-    "nvme": "benchmarks/bench_nvme.py --output benchmarks/results/nvme.json",
-    "backends": "benchmarks/bench_backends.py --output benchmarks/results/backends.json",
-    "virtual_tier": "benchmarks/bench_virtual_tier.py --output benchmarks/results/virtual_tier.json",
-    "optimizer": "benchmarks/bench_optimizer.py --repeats 5 --profile "
+    "nvme": "-m benchmarks.bench_nvme --output benchmarks/results/nvme.json",
+    "backends": "-m benchmarks.bench_backends --output benchmarks/results/backends.json",
+    "virtual_tier": "-m benchmarks.bench_virtual_tier --output benchmarks/results/virtual_tier.json",
+    "optimizer": "-m benchmarks.bench_optimizer --repeats 5 --profile "
     "--output benchmarks/results/optimizer.json",
-    "optimizer_scale": "benchmarks/bench_optimizer.py --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB --steps 3 "
+    "optimizer_scale": "-m benchmarks.bench_optimizer --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB --steps 3 "
     "--output benchmarks/results/optimizer_scale.json",
-    "mlp_offload_prediction": "benchmarks/predict_mlp_offload.py "
+    "mlp_offload_prediction": "-m benchmarks.predict_mlp_offload "
     "--output benchmarks/results/mlp_offload_prediction.json",
-    "apollo": "benchmarks/bench_apollo.py --output benchmarks/results/apollo.json",
-    "apollo_quality": "benchmarks/quality_apollo.py --output benchmarks/results/apollo_quality.json "
+    "apollo": "-m benchmarks.bench_apollo --output benchmarks/results/apollo.json",
+    "apollo_quality": "-m benchmarks.quality_apollo --output benchmarks/results/apollo_quality.json "
     "--plot benchmarks/results/apollo_quality.png",
-    "deepspeed": "benchmarks/bench_deepspeed.py --steps 5 --repeats 3 "
+    "deepspeed": "-m benchmarks.bench_deepspeed --steps 5 --repeats 3 "
     "--output benchmarks/results/deepspeed.json",
-    "activations": "benchmarks/bench_activations.py --repeats 3 --output benchmarks/results/activations.json",
-    "checkpoint": "benchmarks/bench_checkpoint.py --repeats 3 --remote-mount /tmp/tierstore-remote/mnt "
+    "activations": "-m benchmarks.bench_activations --repeats 3 --output benchmarks/results/activations.json",
+    "checkpoint": "-m benchmarks.bench_checkpoint --repeats 3 --remote-mount /tmp/tierstore-remote/mnt "
     "--output benchmarks/results/checkpoint.json",
-    "scale": "benchmarks/bench_scale.py --dir /dev/shm/bench-scale --output benchmarks/results/scale.json",
-    "fsdp": "benchmarks/bench_fsdp.py --output benchmarks/results/fsdp.json",
-    "beyond_memory": "benchmarks/bench_beyond_memory.py --save-steps 3 "
+    "scale": "-m benchmarks.bench_scale --dir /dev/shm/bench-scale --output benchmarks/results/scale.json",
+    "fsdp": "-m benchmarks.bench_fsdp --output benchmarks/results/fsdp.json",
+    "beyond_memory": "-m benchmarks.bench_beyond_memory --save-steps 3 "
     "--plot benchmarks/results/beyond_memory.png --output benchmarks/results/beyond_memory.json",
 }
-"""Each benchmark's command line (run with the project's Python), which writes its JSON."""
+"""Each benchmark's command line after ``python`` (the project's, in the repository's root), which
+writes its JSON."""
 SETUP = {"checkpoint": "RFS_SIZE=12G ../shared/tools/remote-tier.sh start"}
 """What a benchmark's command needs running first (the remote tier it drains to)."""
 

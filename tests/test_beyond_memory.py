@@ -1,4 +1,4 @@
-"""The beyond-memory benchmark's code path at a size CI can afford (``benchmarks/bench_beyond_memory.py``
+"""The beyond-memory benchmark's code path at a size CI can afford (``benchmarks.bench_beyond_memory``
 trains a Llama of ~1B parameters; here one of 26M): each run a fresh process training a Hugging
 Face Llama by ``Trainer`` with DeepSpeed ZeRO-3. What holds without timing is checked: tierstore's
 peak RSS stays within model + gradients + its budgets over the process's own baseline, DeepSpeed's
@@ -31,7 +31,8 @@ pytestmark = [
     pytest.mark.usefixtures("deepspeed_ops"),
 ]
 
-BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "bench_beyond_memory.py"
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository's root, where ``python -m benchmarks.bench_beyond_memory`` finds the benchmark."""
 LLAMA = ["--width", "512", "--layers", "8", "--length", "64", "--batch", "1"]
 """26.0M parameters: 104 MB of fp32 weights, 312 MB of AdamW state (master copy and two moments)."""
 DRAM_BUDGET = 24 << 20
@@ -55,7 +56,8 @@ def train(
         port = probe.getsockname()[1]
     report = directory / f"report{'-resumed' if resume else ''}.json"
     command = [
-        sys.executable, str(BENCHMARK), "--child", variant, "--dir", str(directory), "--json", str(report),
+        sys.executable, "-m", "benchmarks.bench_beyond_memory", "--child", variant,
+        "--dir", str(directory), "--json", str(report),
         *LLAMA, "--steps", str(steps), "--save-steps", str(save_steps), "--sub-group-size", "500000",
         "--buffer-count", "12", "--live-parameters", "100000000",
         "--dram-budget", str(DRAM_BUDGET), "--activation-budget", str(ACTIVATION_BUDGET),
@@ -68,7 +70,7 @@ def train(
         "TIERSTORE_DEEPSPEED": "1" if variant == "tierstore" else "0",
         "MASTER_PORT": str(port),
     }
-    done = run_child(command, env=environment, timeout=900)
+    done = run_child(command, env=environment, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     result: dict[str, Any] = json.loads(report.read_text())
     return result

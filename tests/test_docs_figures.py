@@ -1,6 +1,6 @@
 """Every benchmark figure the README and the documentation quote is the one its JSON holds.
 
-The figures live in blocks written by ``benchmarks/figures.py`` from ``benchmarks/results/*.json``;
+The figures live in blocks written by ``benchmarks.figures`` from ``benchmarks/results/*.json``;
 these tests check that each block is what its JSON writes today, that no figure is quoted outside
 a block (in prose, where nothing would keep it current), and that ``make bench`` regenerates every
 JSON a block reads.
@@ -8,14 +8,13 @@ JSON a block reads.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from benchmarks import figures
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -29,19 +28,7 @@ FIGURE = re.compile(
 
 
 # Pages still being written, whose hand-quoted figures are known and named here; each must move its
-# figures into a block (``<!-- figures: NAME -->``, rendered by benchmarks/figures.py).
-
-
-def load_figures() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "benchmarks" / "figures.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-figures = load_figures()
+# figures into a block (``<!-- figures: NAME -->``, rendered by benchmarks.figures).
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
@@ -49,7 +36,7 @@ def test_each_quoted_figure_is_the_one_its_json_holds(page: Path) -> None:
     text = page.read_text()
     assert figures.update(text) == text, (
         f"{page.relative_to(ROOT)} quotes figures its JSON no longer holds: "
-        f"run python benchmarks/figures.py {page.relative_to(ROOT)}"
+        f"run python -m benchmarks.figures {page.relative_to(ROOT)}"
     )
 
 
@@ -75,13 +62,13 @@ def test_make_bench_regenerates_every_json_a_block_reads_and_then_the_figures() 
         assert f"$(BIN)/python {command}\n" in recipe, f"make bench does not regenerate {name}.json"
         assert (ROOT / "benchmarks" / "results" / f"{name}.json").exists()
     last = recipe.rstrip().splitlines()[-1].split()
-    assert last[:2] == ["$(BIN)/python", "benchmarks/figures.py"], (
+    assert last[:3] == ["$(BIN)/python", "-m", "benchmarks.figures"], (
         "make bench must end by rewriting the figures"
     )
     for page in PAGES:
         name = str(page.relative_to(ROOT))
         if figures.blocks(page.read_text()):
-            assert name in last[2:], f"make bench does not rewrite the figures of {name}"
+            assert name in last[3:], f"make bench does not rewrite the figures of {name}"
 
 
 def test_each_block_states_its_command_date_and_machine() -> None:

@@ -113,6 +113,7 @@ def test_a_bundle_holds_the_wheel_the_tests_the_benchmarks_and_the_runner(bundle
     assert (bundle / "run.py").read_text() == (REPO / "tools" / "gpu_check_run.py").read_text()
     assert (bundle / "pyproject.toml").read_text() == (REPO / "pyproject.toml").read_text()
     assert (bundle / "tests" / "conftest.py").is_file() and (bundle / "benchmarks" / "common.py").is_file()
+    assert (bundle / "benchmarks" / "__init__.py").is_file()  # its benchmarks run as modules
     assert not (bundle / "benchmarks" / "results").exists()
     assert not list(bundle.rglob("__pycache__"))
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -136,6 +137,8 @@ def test_a_dry_run_plans_every_step_and_runs_none(bundle: Path, tmp_path: Path) 
     names = list(steps(document))
     assert names[:4] == ["install", "requirements", "probe", "tests"]
     assert all(name.startswith("bench ") for name in names[4:])
+    modules = [steps(document)[name]["command"][1:3] for name in names[4:]]
+    assert modules and all(flag == "-m" and module.startswith("benchmarks.") for flag, module in modules)
     assert {step["status"] for step in document["steps"]} == {"planned"} and document["passed"] is None
     install, tests = steps(document)["install"]["command"], steps(document)["tests"]["command"]
     assert "--no-index" in install and str(copy / "wheels" / "tierstore-0.1.0-py3-none-any.whl") in install
@@ -144,6 +147,22 @@ def test_a_dry_run_plans_every_step_and_runs_none(bundle: Path, tmp_path: Path) 
     assert "tests/test_probe_gpu_check.py" in gpu_files and "tests/test_gpu_check.py" not in gpu_files
     assert all(name in planned.stdout for name in names) and "planned (dry run)" in planned.stdout
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bundle", "plan.json"]  # no scratch left
+
+
+def test_each_gpu_benchmark_starts_as_a_module_from_the_bundle(bundle: Path, tmp_path: Path) -> None:
+    """The benchmarks' commands as the check plans them, with ``--help`` for their arguments, run from
+    a copy of the bundle's benchmarks as the check runs them (without CUDA they are never started)."""
+    shutil.copytree(bundle / "benchmarks", tmp_path / "benchmarks")
+    planned = run(bundle / "run.py", "--dry-run", "--json", tmp_path / "plan.json", "--scratch", tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    benchmarks = [
+        step
+        for name, step in steps(json.loads((tmp_path / "plan.json").read_text())).items()
+        if name.startswith("bench ")
+    ]
+    for step in benchmarks:
+        started = run_child([*step["command"][:3], "--help"], env=OFFLINE, timeout=300, cwd=tmp_path)
+        assert started.returncode == 0 and started.stdout.startswith("usage: "), step["name"] + started.stderr
 
 
 def test_without_cuda_the_gpu_tests_skip_and_the_benchmarks_say_so(bundle: Path, tmp_path: Path) -> None:

@@ -212,9 +212,7 @@ def build(args: argparse.Namespace, requirements: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="tierstore-source-") as source_folder:
         source = Path(source_folder)
         copy_source(source)
-        missing = [
-            benchmark.script for benchmark in GPU_BENCHMARKS if not (source / benchmark.script).is_file()
-        ]
+        missing = [benchmark.path for benchmark in GPU_BENCHMARKS if not (source / benchmark.path).is_file()]
         if missing:
             raise SystemExit(f"{', '.join(missing)}: in GPU_BENCHMARKS ({RUNNER.name}), not in the checkout")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,36 +37,41 @@ from typing import Any
 
 @dataclass(frozen=True)
 class GpuBenchmark:
-    """A GPU benchmark the check runs: ``python SCRIPT *ARGS --output JSON`` in the bundle's copy.
+    """A GPU benchmark the check runs: ``python -m MODULE *ARGS --output JSON`` in the bundle's copy.
 
     Attributes:
         name: Its row in the table and its key in the JSON.
-        script: Its path in the repository (and in the bundle), e.g. ``benchmarks/bench_x.py``. It
-            writes its document to ``--output``; the figures under the document's ``"summary"``
-            are the check's headline figures.
+        module: Its module in the repository's ``benchmarks`` package (and in the bundle's copy),
+            e.g. ``benchmarks.bench_x``. It writes its document to ``--output``; the figures under
+            the document's ``"summary"`` are the check's headline figures.
         args: Its arguments, sized so that it ends well within ``timeout_s`` on one H100 whose disk
             writes 1.3 GB/s.
         timeout_s: The longest it may run; the check's deadline can cut it shorter.
     """
 
     name: str
-    script: str
+    module: str
     args: tuple[str, ...] = ()
     timeout_s: float = 180.0
 
+    @property
+    def path(self) -> str:
+        """Its file, relative to the folder that holds the package: ``benchmarks/bench_x.py``."""
+        return self.module.replace(".", "/") + ".py"
+
 
 GPU_BENCHMARKS: tuple[GpuBenchmark, ...] = (
-    GpuBenchmark("gpu_store", "benchmarks/bench_gpu_store.py", timeout_s=90.0),
-    GpuBenchmark("optimizer_gpu", "benchmarks/bench_optimizer.py", ("--device", "cuda"), timeout_s=100.0),
+    GpuBenchmark("gpu_store", "benchmarks.bench_gpu_store", timeout_s=90.0),
+    GpuBenchmark("optimizer_gpu", "benchmarks.bench_optimizer", ("--device", "cuda"), timeout_s=100.0),
     GpuBenchmark(
         "activations_gpu",
-        "benchmarks/bench_activations.py",
+        "benchmarks.bench_activations",
         ("--device", "cuda", "--repeats", "1"),
         timeout_s=110.0,
     ),
 )
 """Every GPU benchmark of the check, in the order it runs them: one entry per benchmark, kept here
-only (``tools/gpu_check.py`` refuses to build a bundle that lacks one of their scripts)."""
+only (``tools/gpu_check.py`` refuses to build a bundle that lacks one of their modules)."""
 
 GPU_MARK = re.compile(r"\bmark\.gpu\b")
 """How a test file shows that it holds ``gpu``-marked tests (``@pytest.mark.gpu``, ``pytestmark =
@@ -268,7 +273,7 @@ def plan(
     ]
     for benchmark in GPU_BENCHMARKS:
         output = bench_output / f"{benchmark.name}.json"
-        command = [python, benchmark.script, *benchmark.args, "--output", str(output)]
+        command = [python, "-m", benchmark.module, *benchmark.args, "--output", str(output)]
         steps.append(Step(f"bench {benchmark.name}", command, benchmark.timeout_s))
     return steps
 
