@@ -16,14 +16,14 @@ of parameters with different counts share the call).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from ..errors import BufferMismatchError, ConfigError
 from ..store import TierStore
 from .engine import StagedOptimizer, is_real
-from .options import CachePolicy
+from .options import StagingKeywords
 from .partition import Piece, SubGroup
 
 STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -40,6 +40,23 @@ KERNEL_KEYS: dict[str, tuple[bool | None, ...]] = {
 torch's fused AdamW (``fused=True``, what ``None`` is taken to mean); ``foreach=True`` (another
 kernel), ``fused=False``, ``capturable=True`` (CUDA graph capture) and ``differentiable=True``
 (autograd through the step) are not what it runs, and are refused."""
+
+
+class AdamWKeywords(StagingKeywords, total=False):
+    """:class:`OffloadedAdamW`'s keyword arguments but ``namespace`` (its hyper-parameters, with
+    its signature's types, and the staging options), typed for a caller passing them on
+    (``**options: Unpack[AdamWKeywords]``); :class:`OffloadedAdamW` documents them."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+    foreach: bool | None
+    capturable: bool
+    differentiable: bool
+    fused: bool | None
 
 
 class OffloadedAdamW(StagedOptimizer):
@@ -80,24 +97,12 @@ class OffloadedAdamW(StagedOptimizer):
         capturable: torch's CUDA-graph-capturable step: False; True is refused.
         differentiable: torch's autograd through the step: False; True is refused.
         fused: torch's fused kernel, the one this optimizer runs: None or True; False is refused.
-        sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
-        max_grad_norm: clip the global gradient norm to this (as ``clip_grad_norm_``); None for
-            no clipping.
-        dram_budget: bytes of fp32 state this optimizer holds in DRAM (an int, or text such as
-            ``"64MiB"``): the ring of ``prefetch_depth`` read-ahead buffers, the fp32 gradient
-            buffer, and the sub-groups kept cached between steps; None for the ring and the
-            gradient buffer only.
-        prefetch_depth: sub-groups read ahead of the one being updated.
-        cache_policy: which sub-groups stay cached between steps: ``"model"`` asks
-            :func:`tierstore.model.plan_pass`, ``"static"`` keeps the last K that fit as
-            MLP-Offload does, ``"none"`` keeps nothing.
         namespace: prefixes the state's store keys; claimed on the store for the optimizer's
             lifetime (see :class:`StagedOptimizer`).
-        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
-            torch's setting (at least one), leaving a core to the store's I/O.
-        gpu_budget: parameters on a GPU only: bytes of GPU memory for sub-groups that stay there
-            between steps (an int, or text such as ``"4GiB"``), which then never cross the bus;
-            None or 0 for none (see :mod:`tierstore.optimizer.device`).
+        **staging: the staging options (DRAM budget, read-ahead, sub-group size, clipping...),
+            :class:`~tierstore.optimizer.options.StagingKeywords`: each is a field of
+            :class:`~tierstore.optimizer.options.OptimizerOptions`, which gives its default and
+            meaning.
 
     Raises:
         ConfigError: an argument or group key of the wrong type or out of range, or asking for a
@@ -129,14 +134,8 @@ class OffloadedAdamW(StagedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        sub_group_size: int = 100_000_000,
-        max_grad_norm: float | None = None,
-        dram_budget: int | str | None = None,
-        prefetch_depth: int = 2,
-        cache_policy: CachePolicy = "model",
         namespace: str = "adamw",
-        compute_threads: int | None = None,
-        gpu_budget: int | str | None = None,
+        **staging: Unpack[StagingKeywords],
     ) -> None:
         hyperparameters = {
             "lr": lr,
@@ -156,15 +155,9 @@ class OffloadedAdamW(StagedOptimizer):
             params,
             store,
             hyperparameters,
-            sub_group_size=sub_group_size,
-            max_grad_norm=max_grad_norm,
-            dram_budget=dram_budget,
-            prefetch_depth=prefetch_depth,
-            cache_policy=cache_policy,
             namespace=namespace,
-            compute_threads=compute_threads,
-            gpu_budget=gpu_budget,
             whole_params=False,
+            **staging,
         )
 
     def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:

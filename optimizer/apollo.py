@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
 
@@ -35,7 +35,7 @@ from ..errors import BufferMismatchError, ConfigError
 from ..store import TierStore
 from .adamw import _check_hyperparameters
 from .engine import StagedOptimizer, is_real
-from .options import CachePolicy
+from .options import StagingKeywords
 from .partition import Piece, SubGroup
 
 PROJECTION_DEFAULTS: dict[str, Any] = {
@@ -117,24 +117,12 @@ class OffloadedAPOLLO(StagedOptimizer):
         scale_front: apply the groups' ``scale`` before the norm-growth limiter rather than
             after it (``apollo_torch``'s flag).
         disable_nl: turn Fira's norm-growth limiter off.
-        sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
-        max_grad_norm: clip the global gradient norm to this (as ``clip_grad_norm_``); None for
-            no clipping.
-        dram_budget: bytes of fp32 state this optimizer holds in DRAM (an int, or text such as
-            ``"64MiB"``): the ring of ``prefetch_depth`` read-ahead buffers, the fp32 gradient
-            buffer, and the sub-groups kept cached between steps; None for the ring and the
-            gradient buffer only.
-        prefetch_depth: sub-groups read ahead of the one being updated.
-        cache_policy: which sub-groups stay cached between steps: ``"model"`` asks
-            :func:`tierstore.model.plan_pass`, ``"static"`` keeps the last K that fit as
-            MLP-Offload does, ``"none"`` keeps nothing.
         namespace: prefixes the state's store keys; claimed on the store for the optimizer's
             lifetime (see :class:`StagedOptimizer`).
-        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
-            torch's setting (at least one), leaving a core to the store's I/O.
-        gpu_budget: parameters on a GPU only: bytes of GPU memory for sub-groups that stay there
-            between steps (an int, or text such as ``"4GiB"``), which then never cross the bus;
-            None or 0 for none (see :mod:`tierstore.optimizer.device`).
+        **staging: the staging options (DRAM budget, read-ahead, sub-group size, clipping...),
+            :class:`~tierstore.optimizer.options.StagingKeywords`: each is a field of
+            :class:`~tierstore.optimizer.options.OptimizerOptions`, which gives its default and
+            meaning.
 
     Raises:
         ConfigError: an argument or group key of the wrong type or out of range (the message
@@ -168,14 +156,8 @@ class OffloadedAPOLLO(StagedOptimizer):
         correct_bias: bool = True,
         scale_front: bool = False,
         disable_nl: bool = False,
-        sub_group_size: int = 100_000_000,
-        max_grad_norm: float | None = None,
-        dram_budget: int | str | None = None,
-        prefetch_depth: int = 2,
-        cache_policy: CachePolicy = "model",
         namespace: str = "apollo",
-        compute_threads: int | None = None,
-        gpu_budget: int | str | None = None,
+        **staging: Unpack[StagingKeywords],
     ) -> None:
         defaults = {
             "lr": lr,
@@ -195,15 +177,9 @@ class OffloadedAPOLLO(StagedOptimizer):
             params,
             store,
             defaults,
-            sub_group_size=sub_group_size,
-            max_grad_norm=max_grad_norm,
-            dram_budget=dram_budget,
-            prefetch_depth=prefetch_depth,
-            cache_policy=cache_policy,
             namespace=namespace,
-            compute_threads=compute_threads,
-            gpu_budget=gpu_budget,
             whole_params=True,
+            **staging,
         )
         self.seeds = [number + 1 for number in range(len(self.params))]
         """Per parameter, the seed of its current projection (``apollo_torch`` numbers parameters

@@ -40,11 +40,10 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Unpack
 
 import torch
 
-from .._checks import SIZE_REQUIREMENT, byte_count, is_integer
 from ..buffers import aligned_tensor
 from ..errors import BufferMismatchError, ConfigError
 from ..store import TierStore
@@ -62,7 +61,7 @@ from .gradients import (
 )
 from .masters import StaleMasterWeightsError as StaleMasterWeightsError
 from .masters import check_dtypes, check_layouts
-from .options import CachePolicy
+from .options import StagingKeywords, optimizer_options
 from .partition import Piece, SubGroup, partition, partition_whole
 from .saved_state import SavedState
 from .staging import FP32, SubGroupStager, pass_order
@@ -97,22 +96,13 @@ class StagedOptimizer(SavedState):
         store: the store holding the fp32 state; its device runtime
             (:attr:`~tierstore.TierStore.device_runtime`) makes the device path's copies.
         defaults: the hyper-parameters a group takes for the keys it leaves out.
-        sub_group_size: parameter elements per sub-group, the unit staged through DRAM.
-        max_grad_norm: clip the global gradient norm to this; None for no clipping.
-        dram_budget: bytes of fp32 DRAM the optimizer holds (an int, or text such as ``"64MiB"``):
-            read-ahead ring, gradient buffer (CPU path only) and sub-groups kept between steps
-            (pinned on the device path); None for the ring and the gradient buffer only.
-        prefetch_depth: sub-groups read ahead of the one being updated.
-        cache_policy: which sub-groups stay in DRAM between steps: ``"model"`` (the I/O model's
-            choice), ``"static"`` (the last that fit) or ``"none"``.
         namespace: the prefix of the state's store keys, claimed on the store.
         whole_params: keep every parameter whole in one sub-group (for kernels that need whole
             parameters) instead of cutting parameters at sub-group boundaries.
-        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
-            torch's setting (at least one).
-        gpu_budget: bytes of GPU memory for sub-groups that stay on the GPU between steps (an int,
-            or text such as ``"4GiB"``; parameters on a GPU only): no copy crosses the bus for
-            those. None or 0 for none.
+        **staging: the staging options (:class:`~tierstore.optimizer.options.StagingKeywords`),
+            each defined, with its default and meaning, by a field of
+            :class:`~tierstore.optimizer.options.OptimizerOptions` (on the device path, the memory
+            of ``dram_budget`` is pinned and holds no gradient buffer).
 
     Raises:
         ConfigError: an argument or hyper-parameter of the wrong type or out of range, a
@@ -143,30 +133,18 @@ class StagedOptimizer(SavedState):
         store: TierStore,
         defaults: dict[str, Any],
         *,
-        sub_group_size: int,
-        max_grad_norm: float | None,
-        dram_budget: int | str | None,
-        prefetch_depth: int,
-        cache_policy: CachePolicy,
         namespace: str,
         whole_params: bool,
-        compute_threads: int | None = None,
-        gpu_budget: int | str | None = None,
+        **staging: Unpack[StagingKeywords],
     ) -> None:
-        if not is_integer(sub_group_size) or sub_group_size < 1:
-            raise ConfigError(f"sub_group_size: must be a positive integer, got {sub_group_size!r}")
-        if max_grad_norm is not None and not (is_real(max_grad_norm) and max_grad_norm > 0.0):
-            raise ConfigError(f"max_grad_norm: must be None or a positive number, got {max_grad_norm!r}")
-        if compute_threads is not None and (not is_integer(compute_threads) or compute_threads < 1):
-            raise ConfigError(f"compute_threads: must be None or an integer >= 1, got {compute_threads!r}")
+        options = optimizer_options(type(self).__name__, staging)
+        self.options = options
+        """The staging options, as given or by default."""
         self._layouts: list[dict[str, Any]] = []
         """Per group, its :attr:`LAYOUT_KEYS` as they were when it was added."""
         self._own_masters: list[bool] = []
         """Per parameter (in :attr:`params` order), whether it is fp32 and so its own master
         weights (none in the state), as it was when its group was added."""
-        gpu_bytes = None if gpu_budget is None else byte_count(gpu_budget)
-        if gpu_budget is not None and gpu_bytes is None:
-            raise ConfigError(f"gpu_budget: must be {SIZE_REQUIREMENT}, not {gpu_budget!r}")
         self.store = store
         self.device: torch.device | None = None
         """The GPU the parameters are on (the device path), or None for parameters in host memory;
@@ -174,28 +152,31 @@ class StagedOptimizer(SavedState):
         self._placed = False
         """Whether the first parameter has set :attr:`device`."""
         super().__init__(params, defaults)  # add_param_group per group
-        self.compute_threads = compute_threads
-        self.max_grad_norm = max_grad_norm
-        self.sub_group_size = sub_group_size
+        self.compute_threads = options.compute_threads
+        self.max_grad_norm = options.max_grad_norm
+        self.sub_group_size = options.sub_group_size
         self.whole_params = whole_params
         self.params = [p for group in self.param_groups for p in group["params"]]
         self.subgroups: list[SubGroup] = []
         self.subgroups = self._partition(0)
         slot_elements = max((self.state_numel(sg) for sg in self.subgroups), default=1)
         self.stager: SubGroupStager
+        dram_budget = None if options.dram_budget is None else int(options.dram_budget)
+        gpu_bytes = int(options.gpu_budget or 0)
         if self.device is None:
             if gpu_bytes:
                 raise ConfigError(
-                    f"gpu_budget: {gpu_budget!r} for parameters in host memory; it is GPU memory for the "
-                    "state of parameters on a GPU: leave it None (or 0), or move the model to the GPU first"
+                    f"gpu_budget: {staging['gpu_budget']!r} for parameters in host memory; it is GPU memory "
+                    "for the state of parameters on a GPU: leave it None (or 0), or move the model to the "
+                    "GPU first"
                 )
             self.stager = SubGroupStager(
                 store,
                 namespace,
                 slot_elements=slot_elements,
                 dram_budget=dram_budget,
-                prefetch_depth=prefetch_depth,
-                cache_policy=cache_policy,
+                prefetch_depth=options.prefetch_depth,
+                cache_policy=options.cache_policy,
                 reserved_bytes=FP32 * self._gradient_numel(self.subgroups),
                 owner=type(self).__name__,
             )
@@ -205,11 +186,11 @@ class StagedOptimizer(SavedState):
                 namespace,
                 device=self.device,
                 runtime=store.device_runtime,
-                gpu_budget=gpu_bytes or 0,
+                gpu_budget=gpu_bytes,
                 slot_elements=slot_elements,
                 dram_budget=dram_budget,
-                prefetch_depth=prefetch_depth,
-                cache_policy=cache_policy,
+                prefetch_depth=options.prefetch_depth,
+                cache_policy=options.cache_policy,
                 owner=type(self).__name__,
             )
         self.step_count = 0

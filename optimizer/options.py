@@ -1,18 +1,29 @@
 """The staging options of the offloaded optimizers, each defined once.
 
-:class:`~tierstore.optimizer.staging.SubGroupStager` (so :class:`~tierstore.optimizer.OffloadedAdamW`
-and :class:`~tierstore.optimizer.OffloadedAPOLLO`) checks its keyword arguments through
-:class:`StagingOptions`, and the DeepSpeed config's ``tierstore`` section takes the same keys
-through the same fields (:mod:`tierstore.integrations.deepspeed.config`).
+Every option is a field of :class:`OptimizerOptions` (its type, default, range and meaning, the
+docstring under it). :class:`~tierstore.optimizer.OffloadedAdamW`,
+:class:`~tierstore.optimizer.OffloadedAPOLLO` and
+:class:`~tierstore.integrations.fsdp.FSDPOffloadedAdamW` take them as keyword arguments,
+``**staging``, typed for their callers by :class:`StagingKeywords` (a test holds its keys equal to
+the fields), and check them through the fields (:func:`optimizer_options`). The three that
+:class:`~tierstore.optimizer.staging.SubGroupStager` takes are :class:`StagingOptions`,
+which the DeepSpeed config's ``tierstore`` section takes through the same fields
+(:mod:`tierstore.integrations.deepspeed.config`).
+
+An option is added as a field of :class:`OptimizerOptions` (or of :class:`StagingOptions`, where the
+DeepSpeed section takes it too) and its key in :class:`StagingKeywords`; the optimizers read it from
+the checked options.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, TypedDict
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, field_validator
 
-from .._checks import ConfigModel
+from .._checks import ConfigModel, check_arguments, is_integer
 
 CachePolicy = Literal["model", "static", "none"]
 
@@ -28,3 +39,65 @@ class StagingOptions(ConfigModel):
     cache_policy: CachePolicy = "model"
     """Which sub-groups stay in DRAM across steps: the I/O model's choice (``model``),
     MLP-Offload's last K (``static``), or none (``none``)."""
+
+
+class OptimizerOptions(StagingOptions):
+    """Every staging option of an offloaded optimizer: how its state is cut, staged and updated."""
+
+    sub_group_size: int = Field(100_000_000, ge=1, strict=True)
+    """Parameter elements per sub-group, the unit staged through DRAM (a rank's own elements
+    under FSDP2)."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm (over all ranks under FSDP2) to this, as ``clip_grad_norm_``
+    does; None for no clipping."""
+    compute_threads: int | None = Field(None, ge=1, strict=True)
+    """Threads torch's CPU kernels use during a step; None for one fewer than torch's setting (at
+    least one), leaving a core to the store's I/O."""
+    gpu_budget: ByteSize | None = None
+    """Parameters on a GPU only: GPU memory for sub-groups that stay there between steps, which
+    then never cross the bus; None or 0 for none (see :mod:`tierstore.optimizer.device`)."""
+
+    @field_validator("max_grad_norm", mode="before")
+    @classmethod
+    def _positive_norm(cls, value: Any) -> Any:
+        if value is None or (
+            (is_integer(value) or isinstance(value, float)) and math.isfinite(value) and value > 0
+        ):
+            return value
+        raise ValueError(f"must be None or a finite number > 0, not {value!r}")
+
+
+class StagingKeywords(TypedDict, total=False):
+    """:class:`OptimizerOptions` as an optimizer's keyword arguments (``**staging:
+    Unpack[StagingKeywords]``), typed for its callers; the fields define their defaults, ranges
+    and meanings. A size in bytes is an integer or text such as ``"64MiB"``."""
+
+    dram_budget: int | str | None
+    prefetch_depth: int
+    cache_policy: CachePolicy
+    sub_group_size: int
+    max_grad_norm: float | None
+    compute_threads: int | None
+    gpu_budget: int | str | None
+
+
+def optimizer_options(owner: str, staging: Mapping[str, Any]) -> OptimizerOptions:
+    """An optimizer's staging keyword arguments checked through :class:`OptimizerOptions`.
+
+    Args:
+        owner: the optimizer's class name, for the message refusing a keyword that is no option.
+        staging: the keyword arguments given; the others take their fields' defaults.
+
+    Returns:
+        Every option, given or default.
+
+    Raises:
+        TypeError: a keyword that is no staging option, as Python's own for an unexpected keyword
+            argument.
+        ConfigError: ``"<argument>: must be <requirement>, not <value>"`` for a value of the
+            wrong type or out of range.
+    """
+    unknown = sorted(staging.keys() - OptimizerOptions.model_fields.keys())
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    return check_arguments(OptimizerOptions, staging)

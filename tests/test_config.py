@@ -4,7 +4,7 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack, get_type_hints
 
 import pytest
 import torch
@@ -14,8 +14,10 @@ from tierstore.activations.options import ActivationOptions
 from tierstore.backends.dram import DramBackend, DramOptions
 from tierstore.backends.registry import BUILTIN_BACKENDS, backend_class
 from tierstore.integrations.deepspeed.config import ActivationsSection, TierstoreSection, parse_section
+from tierstore.integrations.fsdp import FSDPOffloadedAdamW
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO
-from tierstore.optimizer.options import StagingOptions
+from tierstore.optimizer.adamw import AdamWKeywords
+from tierstore.optimizer.options import OptimizerOptions, StagingKeywords, StagingOptions, optimizer_options
 
 from tierstore import ConfigError, Tier, TierStore, UnwritablePathError, default_config, load_config
 from tierstore._checks import ConfigModel
@@ -221,10 +223,59 @@ def test_the_store_constructor_takes_exactly_the_defined_options_with_their_defa
     assert keyword_defaults(TierStore.__init__, STORE_ARGUMENTS) == StoreOptions().arguments()
 
 
+def test_the_staging_keywords_are_the_optimizer_options() -> None:
+    """The typed keywords and the definitions name the same options (the DeepSpeed section's
+    among them)."""
+    assert get_type_hints(StagingKeywords).keys() == OptimizerOptions.model_fields.keys()
+    assert StagingOptions.model_fields.keys() <= OptimizerOptions.model_fields.keys()
+
+
 @pytest.mark.parametrize("workload", [OffloadedAdamW, OffloadedAPOLLO])
-def test_the_optimizers_take_the_staging_options_with_their_defaults(workload: type) -> None:
-    defaults = StagingOptions()
-    assert keyword_defaults(workload, StagingOptions.model_fields) == dict(defaults)
+def test_the_optimizers_take_the_staging_options_defined_once(
+    workload: type[OffloadedAdamW] | type[OffloadedAPOLLO],
+) -> None:
+    """No option restated in a signature: the staging keywords are ``**staging``, and an optimizer
+    given none holds the definitions' defaults."""
+    parameters = inspect.signature(workload).parameters
+    assert not parameters.keys() & OptimizerOptions.model_fields.keys()
+    assert get_type_hints(workload.__init__)["staging"] == Unpack[StagingKeywords]
+    with TierStore([DramBackend(DramOptions())], cache_budget=0) as store:
+        optimizer = workload(torch.nn.Linear(4, 4).parameters(), store)
+        assert optimizer.options == OptimizerOptions()
+        optimizer.close()
+
+
+def test_fsdp_passes_the_adamw_keywords_on() -> None:
+    """FSDPOffloadedAdamW takes its own arguments and OffloadedAdamW's others, typed by
+    AdamWKeywords: OffloadedAdamW's keywords but ``namespace``, with their annotations."""
+    own = get_type_hints(OffloadedAdamW.__init__)
+    keywords = {
+        name: own[name]
+        for name, parameter in inspect.signature(OffloadedAdamW).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "namespace"
+    }
+    assert get_type_hints(AdamWKeywords) == keywords | get_type_hints(StagingKeywords)
+    assert get_type_hints(FSDPOffloadedAdamW.__init__)["options"] == Unpack[AdamWKeywords]
+    assert set(inspect.signature(FSDPOffloadedAdamW).parameters) == {
+        "params",
+        "store",
+        "namespace",
+        "process_group",
+        "options",
+    }
+
+
+@pytest.mark.parametrize("workload", [OffloadedAdamW, OffloadedAPOLLO])
+def test_a_keyword_that_is_no_option_is_a_type_error(
+    workload: type[OffloadedAdamW] | type[OffloadedAPOLLO],
+) -> None:
+    """As Python's own for a misspelt keyword, not an option silently ignored."""
+    unexpected = rf"^{workload.__name__}\(\) got an unexpected keyword argument 'budget'$"
+    with (
+        TierStore([DramBackend(DramOptions())], cache_budget=0) as store,
+        pytest.raises(TypeError, match=unexpected),
+    ):
+        workload(torch.nn.Linear(4, 4).parameters(), store, budget=1 << 20)  # type: ignore[call-arg]
 
 
 def test_the_activation_offload_takes_its_options_with_their_defaults() -> None:
@@ -409,12 +460,22 @@ DOCUMENT_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
 """Every size in bytes of a configuration document (a store's, a backend's table, the DeepSpeed
 config's section), by the option model's field that defines it."""
 
+KEYWORD_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
+    # the option's definition (model.field): (the argument the error names, a check through it)
+    "OptimizerOptions.gpu_budget": (
+        "gpu_budget",
+        lambda v, _: optimizer_options("OffloadedAdamW", {"gpu_budget": v}),
+    ),
+}
+"""Every size in bytes defined for keyword arguments only (no document takes it), checked through
+its definition as the class taking it checks it."""
+
 OPTIONAL_PACKAGES = {"ZarrOptions": "zarr", "Adios2Options": "adios2"}
 
 
 def size_cases() -> list[Any]:
     cases = []
-    for source in (PYTHON_SIZES, DOCUMENT_SIZES):
+    for source in (PYTHON_SIZES, DOCUMENT_SIZES, KEYWORD_SIZES):
         for case, (name, use) in source.items():
             package = OPTIONAL_PACKAGES.get(case.split(".")[0])
             missing = package is not None and importlib.util.find_spec(package) is None
@@ -452,7 +513,7 @@ def test_every_size_option_is_in_the_rule_test() -> None:
                     base for base in reversed(model.__mro__) if field in getattr(base, "__annotations__", {})
                 )
                 defined.add(f"{owner.__name__}.{field}")
-    assert defined == set(DOCUMENT_SIZES)
+    assert defined == set(DOCUMENT_SIZES) | set(KEYWORD_SIZES)
 
 
 def all_subclasses(model: type[ConfigModel]) -> set[type[ConfigModel]]:

@@ -29,13 +29,12 @@ step on the CPU.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
 from tierstore.optimizer import OffloadedAdamW
-from tierstore.optimizer.adamw import STATE_PARTS
-from tierstore.optimizer.options import CachePolicy
+from tierstore.optimizer.adamw import STATE_PARTS, AdamWKeywords
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -102,36 +101,15 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         params: the model itself (its parameters, and :func:`check_fsdp_model` runs on it), or its
             parameters or parameter groups as for ``torch.optim.AdamW``; call ``fully_shard`` first.
         store: this rank's store (each rank opens its own, e.g. on its own directory).
-        lr: the learning rate.
-        betas: the coefficients of the running averages of the gradient and its square, each in
-            [0, 1).
-        eps: added to the denominator for numerical stability.
-        weight_decay: the weight decay coefficient (decoupled; L2 in a group with
-            ``decoupled_weight_decay=False``).
-        amsgrad: keep the running maximum of the second moment (AMSGrad).
-        maximize: maximize the objective instead of minimizing it.
-        foreach: torch's multi-tensor kernel: None or False; True is refused (the kernel is torch's
-            fused AdamW, as :class:`~tierstore.optimizer.OffloadedAdamW`'s).
-        capturable: torch's CUDA-graph-capturable step: False; True is refused.
-        differentiable: torch's autograd through the step: False; True is refused.
-        fused: torch's fused kernel, the one this optimizer runs: None or True; False is refused.
-        sub_group_size: local (this rank's) parameter elements per sub-group.
-        max_grad_norm: clip the global gradient norm (over all ranks) to this; None for no
-            clipping.
-        dram_budget: bytes of this rank's fp32 DRAM for the state (an int, or text such as
-            ``"64MiB"``): read-ahead ring, gradient buffer, kept sub-groups; None for the ring and
-            the gradient buffer only.
-        prefetch_depth: sub-groups read ahead of the one being updated.
-        cache_policy: which sub-groups stay in DRAM between steps: ``"model"``, ``"static"`` or
-            ``"none"`` (as :class:`~tierstore.optimizer.OffloadedAdamW`'s).
         namespace: the state's key prefix, claimed on the store; None for ``rank<N>/adamw`` with
             this rank's number, so ranks sharing one store never meet.
-        compute_threads: threads torch's CPU kernels use during a step; None for one fewer than
-            torch's setting (at least one).
         process_group: the group the gradient norm is summed over; None for the parameters'
             mesh's.
-        gpu_budget: shards on GPUs only: bytes of this rank's GPU memory for sub-groups that
-            stay there between steps; None or 0 for none.
+        **options: :class:`~tierstore.optimizer.OffloadedAdamW`'s hyper-parameters and staging
+            options (:class:`~tierstore.optimizer.adamw.AdamWKeywords`), as it takes them; here
+            ``sub_group_size`` counts this rank's local elements, ``dram_budget`` and
+            ``gpu_budget`` (shards on GPUs only) are this rank's memory, and ``max_grad_norm``
+            clips the norm over all ranks.
 
     Raises:
         FSDPSetupError: no parameter is a ``DTensor`` (the model is not sharded); ``DTensor``
@@ -155,25 +133,9 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         params: nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         store: TierStore,
         *,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        capturable: bool = False,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        sub_group_size: int = 100_000_000,
-        max_grad_norm: float | None = None,
-        dram_budget: int | str | None = None,
-        prefetch_depth: int = 2,
-        cache_policy: CachePolicy = "model",
         namespace: str | None = None,
-        compute_threads: int | None = None,
         process_group: dist.ProcessGroup | None = None,
-        gpu_budget: int | str | None = None,
+        **options: Unpack[AdamWKeywords],
     ) -> None:
         if isinstance(params, nn.Module):
             check_fsdp_model(params)
@@ -200,26 +162,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         self.process_group = self.mesh.get_group() if process_group is None else process_group
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         super().__init__(
-            groups,
-            store,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            foreach=foreach,
-            capturable=capturable,
-            differentiable=differentiable,
-            fused=fused,
-            sub_group_size=sub_group_size,
-            max_grad_norm=max_grad_norm,
-            dram_budget=dram_budget,
-            prefetch_depth=prefetch_depth,
-            cache_policy=cache_policy,
-            namespace=f"rank{rank}/adamw" if namespace is None else namespace,
-            compute_threads=compute_threads,
-            gpu_budget=gpu_budget,
+            groups, store, namespace=f"rank{rank}/adamw" if namespace is None else namespace, **options
         )
         self._params_added(len(self.params))
 
