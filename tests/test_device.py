@@ -326,7 +326,7 @@ def sim_store(open_store: StoreFactory, sim: SimulatedDevice) -> Iterator[Callab
 
     def factory(**options: object) -> TierStore:
         store = open_store(**options)
-        store._device.runtime = sim
+        store._operations.device.runtime = sim
         return store
 
     yield factory

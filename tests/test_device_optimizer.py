@@ -128,7 +128,7 @@ def stores(tmp_path: Path) -> Iterator[Callable[..., TierStore]]:
     def factory(device: SimulatedDevice | None = None) -> TierStore:
         store = make_store(tmp_path, "dram")
         if device is not None:
-            store._device.runtime = device
+            store._operations.device.runtime = device
         opened.append(store)
         return store
 

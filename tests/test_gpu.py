@@ -217,7 +217,7 @@ def test_staging_buffers_are_pinned_only_when_asked(open_store: Callable[..., Ti
         area.release(buffer)
         area.close()
     store.put("x", torch.ones(10, device="cuda")).result()  # makes the store's pinned pieces
-    pieces = store._device._pieces  # the pieces every device copy of the store is staged through
+    pieces = store._operations.device._pieces  # the pieces every device copy of the store is staged through
     assert pieces is not None
     with pieces.lend(1) as lent:
         assert all(piece.tensor.is_pinned() for piece in lent)

@@ -41,14 +41,11 @@ collects garbage, compacts nor deletes anything, at the open or at ``close``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
-import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,50 +55,31 @@ from ._futures import when_all
 from ._serial import KeyedSerializer
 from .backends import Backend
 from .bandwidth import PathSpeed
-from .buffers import AlignedBuffer
-from .cache import WriteBackCache
-from .catalog import Catalog, Record
-from .chain import TierChain
 from .config import ConfigSource, Policy, StoreOptions, Verify, default_config, load_config
-from .device import CallerStream, DeviceCopies, DeviceRuntime
+from .device import DeviceRuntime
 from .errors import (
     BackendIOError,
     BufferMismatchError,
-    CapacityError,
     ConfigError,
     InvalidKeyError,
-    ManifestError,
     ReadOnlyStoreError,
     StoreClosedError,
 )
-from .limits import Priority
-from .manifest import Manifest
 from .memory import MemoryLedger
 from .namespaces import Namespaces, check_key
+from .operations import ObjectInfo as ObjectInfo  # the type of info(), importable here
+from .operations import (
+    StoreOperations,
+    check_dense,
+    check_distinct_elements,
+    check_out,
+    check_read_only,
+    check_tiers,
+)
 from .staging import StagingArea
-from .tier import Placement, Tier
+from .tier import Tier
 
 _log = logging.getLogger("tierstore")
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What the store knows about one object (a snapshot; see :meth:`TierStore.info`)."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-    tier: str | None
-    """Tier holding the committed persistent copy, or None if it lives only in the cache."""
-    name: str | None
-    """The backend object holding that copy (a pack object for a packed one), or None."""
-    extents: list[dict[str, Any]]
-    """Where that copy's bytes are: path name, object offset and length of each extent (for an
-    object written back in a pack, the pack's extents)."""
-    cached: bool
-    dirty: bool
-    """The cached copy is newer than any persistent copy."""
 
 
 class TierStore(Closeable):
@@ -150,8 +128,8 @@ class TierStore(Closeable):
     A facade: the tier chain (:mod:`.chain`: placement, failover, verified reads, garbage), the
     commit protocol (:mod:`.catalog`) and, when ``cache_budget`` is above 0, the write-back cache
     layered over them (:mod:`.cache`) each own one job; the store checks arguments, orders
-    operations per key and routes each one. A put or get that bypasses the cache goes straight to
-    the chain and the catalog.
+    operations per key and routes each one to the operations that run on them (:mod:`.operations`).
+    A put or get that bypasses the cache goes straight to the chain and the catalog.
     """
 
     def __init__(
@@ -169,8 +147,8 @@ class TierStore(Closeable):
         cache_resident: bool = False,
         read_only: bool = False,
     ) -> None:
-        _check_tiers(tiers)
-        _check_read_only(read_only, manifest)
+        check_tiers(tiers)
+        check_read_only(read_only, manifest)
         options = StoreOptions.from_arguments(
             cache_budget=cache_budget,
             policy=policy,
@@ -182,7 +160,7 @@ class TierStore(Closeable):
             pack_below=pack_below,
             cache_resident=cache_resident,
         ).arguments()  # as checked: a numpy integer becomes an int
-        cache_budget, workers = options["cache_budget"], options["workers"]
+        cache_budget, workers = int(options["cache_budget"]), options["workers"]
         memory_budget = None if options["memory_budget"] is None else int(options["memory_budget"])
         pack_below = int(options["pack_below"])
         self.memory = MemoryLedger(memory_budget)
@@ -198,35 +176,19 @@ class TierStore(Closeable):
         self.read_only = read_only
         """Opened read-only: every change raises :class:`ReadOnlyStoreError`."""
         self._closed = False
-        opened = None if manifest is None else Manifest(manifest, read_only=read_only)
-        try:
-            # A persistent store's token is journaled first, so an interrupted write's object is
-            # recognised as garbage; a scratch store's only keeps concurrent stores apart.
-            token = secrets.token_hex(4) if opened is None else opened.token
-            self._chain = TierChain(self.tiers, token=token, verify=verify)
-            if opened is None:  # a crash must not leave a scratch store's objects behind
-                self._chain.claim_scratch()
-            self._catalog = Catalog(self._chain, opened)
-        except BaseException:
-            if opened is not None:
-                opened.close()
-            raise
+        self._operations = StoreOperations(
+            self.tiers,
+            memory=self.memory,
+            manifest=manifest,
+            read_only=read_only,
+            verify=verify,
+            cache_budget=cache_budget,
+            cache_resident=options["cache_resident"],
+            pack_below=pack_below,
+        )
         self.pack_below = pack_below
         """Dirty objects smaller than this are written back in packs (one backend object each)."""
-        self._cache: WriteBackCache | None = None
-        if cache_budget == 0:
-            self.memory.reserve("cache", 0)  # the ledger still lists the cache's share: none
-        else:
-            self._cache = WriteBackCache(
-                StagingArea(self.memory, "cache", cache_budget, resident=options["cache_resident"]),
-                write=self._chain.write,
-                write_pack=self._chain.write_pack,
-                on_written=self._catalog.written,
-                pack_below=pack_below,
-            )
         self._serial = KeyedSerializer(workers, "tierstore")
-        self._device = DeviceCopies(staging=self._device_staging)
-        """Copies to and from devices (:mod:`.device`); nothing of it is made before the first."""
 
     @classmethod
     def from_config(cls, config: ConfigSource | None = None, *, read_only: bool = False) -> TierStore:
@@ -250,11 +212,6 @@ class TierStore(Closeable):
         try:
             for index, tier in enumerate(settings.tiers):
                 tiers.append(Tier.from_config(tier, where=f"tiers.{index}"))
-        except BaseException:
-            for opened in tiers:
-                opened.close()
-            raise
-        try:
             return cls(tiers, **settings.arguments(), read_only=read_only)
         except BaseException:
             for opened in tiers:
@@ -267,7 +224,7 @@ class TierStore(Closeable):
         :mod:`tierstore.device`): CUDA's, or a test's simulated device. A workload that copies
         between the store's memory and a device itself (an offloaded optimizer over GPU
         parameters) uses the same one."""
-        return self._device.runtime
+        return self._operations.device.runtime
 
     def staging(
         self,
@@ -305,7 +262,7 @@ class TierStore(Closeable):
             pin=pin,
             resident=resident,
             pool_bytes=pool_bytes,
-            runtime=self._device.runtime,
+            runtime=self._operations.device.runtime,
         )
 
     # -- public API: asynchronous ----------------------------------------------------------------
@@ -366,15 +323,15 @@ class TierStore(Closeable):
         check_key(key)
         if not isinstance(tensor, torch.Tensor):
             raise BufferMismatchError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
-        _check_dense(f"put({key!r})", tensor)
+        check_dense(f"put({key!r})", tensor)
         if write_through is None:
             write_through = self.policy == "write-through"
         elif not isinstance(write_through, bool):
             raise ConfigError(f"put({key!r}): write_through is True, False or None, not {write_through!r}")
         cached = cache and not scratch
-        caller = self._device.caller_of(tensor)
+        caller = self._operations.device.caller_of(tensor)
         return self._serial.submit(
-            key, self._put, key, tensor.detach(), cached, scratch, write_through, caller
+            key, self._operations.put, key, tensor.detach(), cached, scratch, write_through, caller
         )
 
     def get(
@@ -418,13 +375,13 @@ class TierStore(Closeable):
         if out is not None:
             if not isinstance(out, torch.Tensor):
                 raise BufferMismatchError(f"get({key!r}): out must be a torch.Tensor")
-            _check_dense(f"get({key!r}): out", out)
-            _check_distinct_elements(f"get({key!r}): out", out)
-            record = self._catalog.get(key)
+            check_dense(f"get({key!r}): out", out)
+            check_distinct_elements(f"get({key!r}): out", out)
+            record = self._operations.catalog.get(key)
             if record is not None and not self._serial.pending(key):  # else a queued put decides
-                _check_out(key, record, out)
-        caller = self._caller(key, out, device)
-        return self._serial.submit(key, self._get, key, out, cache, caller)
+                check_out(key, record, out)
+        caller = self._operations.caller(key, out, device)
+        return self._serial.submit(key, self._operations.get, key, out, cache and self.cache_reads, caller)
 
     def prefetch(self, keys: Iterable[str]) -> Future[None]:
         """Load ``keys`` into the DRAM cache in the background.
@@ -447,7 +404,7 @@ class TierStore(Closeable):
         keys = list(keys)
         for key in keys:
             self._check_known(key)
-        loads = [self._serial.submit(key, self._prefetch, key) for key in keys]
+        loads = [self._serial.submit(key, self._operations.prefetch, key) for key in keys]
         return when_all(loads, lambda: None)
 
     # -- public API: blocking ---------------------------------------------------------------------
@@ -462,7 +419,7 @@ class TierStore(Closeable):
         self._check_open()
         self._check_writable(f"delete({key!r})")
         self._check_known(key)
-        self._serial.submit(key, self._delete, key).result()
+        self._serial.submit(key, self._operations.delete, key).result()
 
     def flush(self) -> None:
         """Write every dirty cached object to its tier and wait.
@@ -479,10 +436,8 @@ class TierStore(Closeable):
                 and the failure is its ``__cause__``.
         """
         self._check_open()
-        if self.read_only:
-            return
-        if self._cache is not None:
-            self._cache.flush()
+        if not self.read_only and self._operations.cache is not None:
+            self._operations.cache.flush()
 
     def copy_to(self, destination: TierStore, keys: Iterable[str] | None = None, *, prefix: str = "") -> None:
         """Put ``keys`` (default: every committed key) into ``destination`` under the same keys
@@ -529,30 +484,21 @@ class TierStore(Closeable):
             self._serial.submit(key, self._copy_to, key, destination, prefix + key).result()
 
     def _copy_to(self, key: str, destination: TierStore, copy_key: str) -> None:
-        dirty = self._cache is not None and self._cache.state(key)[1]
-        record = self._catalog.record(key)  # a copy clean above has its placement set already
-        persisted = None if dirty else record.persisted
-        placement = None if persisted is None else destination._chain.copy_in(persisted)
-        if placement is None:
-            destination.put(copy_key, self._get(key, None, False, None), cache=False).result()
+        copy = self._operations.copy_in(key, destination._operations)
+        if copy is None:  # through memory
+            destination.put(copy_key, self._operations.get(key, None, False, None), cache=False).result()
             return
-        copy = Record(record.shape, record.dtype, record.nbytes, persisted=placement)
-        destination._serial.submit(copy_key, destination._commit_copy, copy_key, copy).result()
-
-    def _commit_copy(self, key: str, record: Record) -> None:
-        self._catalog.commit(key, record)
-        if self._cache is not None:
-            self._cache.drop(key)
+        destination._serial.submit(copy_key, destination._operations.commit, copy_key, copy).result()
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is committed (its put's future has resolved)."""
         self._check_open()
-        return key in self._catalog
+        return key in self._operations.catalog
 
     def keys(self) -> list[str]:
         """Committed keys, in insertion order."""
         self._check_open()
-        return self._catalog.keys()
+        return self._operations.catalog.keys()
 
     def info(self, key: str) -> ObjectInfo:
         """What the store knows about ``key`` now (a snapshot).
@@ -561,20 +507,7 @@ class TierStore(Closeable):
             KeyNotFoundError: ``key`` has no committed object.
         """
         self._check_open()
-        cached, dirty = (False, False) if self._cache is None else self._cache.state(key)
-        record = self._catalog.record(key)
-        persisted = record.persisted
-        return ObjectInfo(
-            key=key,
-            shape=record.shape,
-            dtype=record.dtype,
-            nbytes=record.nbytes,
-            tier=persisted.tier.name if persisted else None,
-            name=persisted.name if persisted else None,
-            extents=persisted.describe() if persisted else [],
-            cached=cached,
-            dirty=dirty,
-        )
+        return self._operations.info(key)
 
     def stats(self) -> dict[str, Any]:
         """Counters and byte figures, still readable after :meth:`close` for a final report.
@@ -585,17 +518,13 @@ class TierStore(Closeable):
             ``memory`` (the ledger's budget and each owner's reservation) and ``tiers`` (per
             tier and path: bytes and requests moved, bandwidth estimates).
         """
-        return {
-            **(_NO_CACHE_STATS if self._cache is None else self._cache.stats()),
-            "memory": {"budget_bytes": self.memory.capacity, "reserved_bytes": self.memory.held()},
-            "tiers": self._chain.stats(),
-        }
+        return self._operations.stats()
 
     def bandwidths(self) -> dict[str, list[PathSpeed]]:
         """Each tier's paths with their current bandwidth estimates (measured online, else as
         configured or probed), for workloads that plan their own I/O; paths without any estimate
         yet are left out."""
-        return self._chain.bandwidths()
+        return self._operations.chain.bandwidths()
 
     def log_stats(self, level: int = logging.INFO) -> dict[str, Any]:
         """Send :meth:`stats` to the ``tierstore`` logger (one JSON line) and return it."""
@@ -622,35 +551,17 @@ class TierStore(Closeable):
             return
         lost: BackendIOError | None = None
         with contextlib.ExitStack() as release:  # each step runs even where one before it failed
-            release.callback(self._chain.close)
-            release.callback(self._catalog.close)
-            if self._cache is not None:
-                release.callback(self._cache.close)
-            release.callback(self._device.close)
+            release.callback(self._operations.close)
             release.callback(self._serial.shutdown)
             release.callback(setattr, self, "_closed", True)
-            if self._catalog.manifest is not None:
+            if self._operations.catalog.manifest is not None:
                 self._serial.drain()
                 try:
                     self.flush()
                 except BackendIOError:
-                    lost = self._lost_at_close()
+                    lost = self._operations.lost_at_close()
         if lost is not None:
             raise lost
-
-    def _lost_at_close(self) -> BackendIOError:
-        """The error of a close whose flush failed: every object only in memory, and what the next
-        open finds under its key."""
-
-        def fate(key: str) -> str:
-            record = self._catalog.get(key)
-            kept = record is not None and record.journaled is not None
-            return f"{key!r} ({'its previous version' if kept else 'no such key'} at the next open)"
-
-        assert self._cache is not None
-        error = self._cache.write_back_error("close: objects lost", describe=fate)
-        assert error is not None
-        return error
 
     def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
         self.put(key, tensor).result()
@@ -669,174 +580,7 @@ class TierStore(Closeable):
 
     def __len__(self) -> int:
         self._check_open()
-        return len(self._catalog)
-
-    # -- operations (run on the serializer, one key at a time) -----------------------------------
-    def _put(
-        self,
-        key: str,
-        tensor: torch.Tensor,
-        cached: bool,
-        scratch: bool,
-        write_through: bool,
-        caller: CallerStream | None,
-    ) -> None:
-        record = Record(
-            tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), scratch=scratch
-        )
-        cache = self._cache if cached else None
-        entry = None
-        if cache is not None and cache.fits(record.nbytes):
-            if not write_through:  # a copy the store may be unable to write back, like those before it
-                cache.check_written_back(f"put({key!r})")
-            entry = cache.new_entry(key, record, dirty=True)
-            if entry is None and not write_through:
-                raise cache.no_room(key, record.nbytes)
-        if entry is None:  # straight to a tier (also a write-through put the cache has no room for)
-            record.persisted = self._write_straight(tensor, caller)
-            self._catalog.commit(key, record)
-            if self._cache is not None:  # a copy of the version just replaced
-                self._cache.drop(key)
-            return
-        assert cache is not None
-        try:
-            if caller is None:
-                entry.typed().copy_(tensor)
-            else:
-                self._device.download(tensor, entry.memoryview(), caller)
-            if write_through:
-                record.persisted = self._chain.write(entry.memoryview(), Priority.CRITICAL).result()
-                entry.dirty = False
-            self._catalog.commit(key, record)
-        except BaseException:
-            cache.abandon(entry)
-            raise
-        cache.attach(entry)
-
-    def _get(
-        self, key: str, out: torch.Tensor | None, cached: bool, caller: CallerStream | None
-    ) -> torch.Tensor:
-        cache = self._cache
-        # The cache first: a copy evicted after this lookup was clean, so the record read next
-        # already names its placement on a tier.
-        entry = None if cache is None else cache.pin(key)
-        try:
-            record = self._catalog.record(key)
-            if out is not None:
-                _check_out(key, record, out)
-            if (
-                entry is None
-                and cached
-                and self.cache_reads
-                and cache is not None
-                and cache.fits(record.nbytes)
-            ):
-                entry = cache.load(key, record, lambda into: self._read(key, record, into), pinned=True)
-            if entry is None:  # not cached, not to be cached, or no cache room: straight to the destination
-                return self._read_direct(key, record, out, caller)
-            if caller is not None:
-                on_device = self._device.empty(record.shape, record.dtype, caller) if out is None else out
-                self._device.upload(entry.memoryview(), on_device, caller)
-                return on_device
-            destination = torch.empty(record.shape, dtype=record.dtype) if out is None else out
-            destination.copy_(entry.typed())
-            return destination
-        finally:
-            if entry is not None:
-                assert cache is not None
-                cache.unpin(entry)
-
-    def _prefetch(self, key: str) -> None:
-        cache = self._cache
-        if cache is not None and cache.touch(key):
-            return
-        record = self._catalog.record(key)
-        if cache is None or not cache.fits(record.nbytes):
-            budget = 0 if cache is None else cache.capacity
-            raise CapacityError(
-                f"prefetch({key!r}): {record.nbytes} bytes exceed the cache budget of {budget} bytes"
-            )
-        if cache.load(key, record, lambda into: self._read(key, record, into), pinned=False) is None:
-            raise cache.no_room(key, record.nbytes)
-
-    def _delete(self, key: str) -> None:
-        self._catalog.remove(key)
-        if self._cache is not None:
-            self._cache.drop(key)
-
-    def _read(
-        self, key: str, record: Record, out: memoryview, priority: Priority = Priority.CRITICAL
-    ) -> None:
-        assert record.persisted is not None
-        if record.damaged is not None:
-            raise ManifestError(errno.EIO, f"key {key!r}: the manifest's entry is damaged: {record.damaged}")
-        self._chain.read(key, record.persisted, out, priority)
-
-    def _read_direct(
-        self, key: str, record: Record, out: torch.Tensor | None, caller: CallerStream | None
-    ) -> torch.Tensor:
-        if caller is not None:  # through host memory reserved for the read
-            on_device = self._device.empty(record.shape, record.dtype, caller) if out is None else out
-            with self._host_memory(record.nbytes) as host:
-                self._read(key, record, host)
-                self._device.upload(host, on_device, caller)
-            return on_device
-        direct = (
-            out is not None
-            and out.device.type == "cpu"
-            and out.is_contiguous()
-            and not (out.is_conj() or out.is_neg())  # a lazy view's memory is not its values
-        )
-        destination = out if direct else torch.empty(record.shape, dtype=record.dtype)
-        assert destination is not None
-        self._read(key, record, _bytes_of(destination))
-        if out is not None and not direct:
-            out.copy_(destination)
-            return out
-        return destination
-
-    # -- device copies ----------------------------------------------------------------------------
-    def _caller(
-        self, key: str, out: torch.Tensor | None, device: torch.device | str | None
-    ) -> CallerStream | None:
-        """The caller's stream at a ``get`` that fills device memory (``out``, or a new tensor on
-        ``device``), marked now, on the caller's thread; None for host memory."""
-        if device is None:
-            return None if out is None else self._device.caller_of(out)
-        if out is not None:
-            raise ConfigError(f"get({key!r}): pass out or device, not both (out is where it goes)")
-        try:
-            target = torch.device(device)
-        except (RuntimeError, TypeError):
-            target = None
-        if target is None or target.type not in ("cpu", "cuda"):
-            raise ConfigError(f"get({key!r}): device must be 'cpu' or a CUDA device, not {device!r}")
-        return None if target.type == "cpu" else self._device.caller(target)
-
-    def _device_staging(self, nbytes: int, runtime: DeviceRuntime) -> StagingArea:
-        """The pinned pieces that device copies are staged through, reserved from :attr:`memory`
-        at the first device copy (see :class:`~tierstore.device.DeviceCopies`)."""
-        return StagingArea(self.memory, "device copies", nbytes, pin=True, runtime=runtime)
-
-    def _write_straight(self, tensor: torch.Tensor, caller: CallerStream | None) -> Placement:
-        """Write ``tensor`` to a tier past the cache: from its own memory, or a device tensor's
-        bytes from host memory reserved for the write."""
-        if caller is None:
-            return self._chain.write(_bytes_of(_materialized(tensor)), Priority.CRITICAL).result()
-        with self._host_memory(tensor.numel() * tensor.element_size()) as host:
-            self._device.download(tensor, host, caller)
-            return self._chain.write(host, Priority.CRITICAL).result()
-
-    @contextlib.contextmanager
-    def _host_memory(self, nbytes: int) -> Iterator[memoryview]:
-        """Host memory for a device tensor's bytes on their way to or from a tier past the cache,
-        reserved from :attr:`memory` (as ``device copies``) while it is used: never more than the
-        store's memory budget, however large the object."""
-        reservation = self.memory.reserve("device copies", nbytes)
-        try:
-            yield AlignedBuffer(nbytes).memoryview(nbytes)
-        finally:
-            self.memory.release(reservation)
+        return len(self._operations.catalog)
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -845,101 +589,11 @@ class TierStore(Closeable):
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
-            manifest = self._catalog.manifest
+            manifest = self._operations.catalog.manifest
             assert manifest is not None
             raise ReadOnlyStoreError(f"{what}: the store of manifest {manifest.directory} is open read-only")
 
     def _check_known(self, key: str) -> None:
         check_key(key)
-        if key not in self._catalog and not self._serial.pending(key):
-            raise self._catalog.missing(key)
-
-
-_NO_CACHE_STATS = {
-    "hits": 0,
-    "misses": 0,
-    "evictions": 0,
-    "writebacks": 0,
-    "cache_budget_bytes": 0,
-    "cache_bytes": 0,
-    "peak_cache_bytes": 0,
-}
-"""A store without a cache reports the cache's counters as zeros, so the statistics keep one shape."""
-
-
-def _check_tiers(tiers: object) -> None:
-    """Refuse a ``tiers`` argument that is not a non-empty list of tiers or backends (the store's
-    other arguments are options, checked by :class:`~tierstore.config.StoreOptions`)."""
-    if isinstance(tiers, (str, Tier, Backend)) or not isinstance(tiers, Sequence) or not tiers:
-        raise ConfigError(
-            f"tiers: a TierStore needs a non-empty list of Tier or Backend objects (open 'dram://' for a "
-            f"store in memory only: objects larger than the cache and evicted ones go there); got {tiers!r}"
-        )
-    for index, tier in enumerate(tiers):
-        if not isinstance(tier, (Tier, Backend)):
-            raise ConfigError(
-                f"tiers.{index}: expected a Tier or a Backend, got {type(tier).__name__} "
-                "(TierStore.from_config opens backends from URLs)"
-            )
-
-
-def _check_read_only(read_only: object, manifest: object) -> None:
-    """Refuse a ``read_only`` that is not a bool, or that asks for a read-only scratch store
-    (beside :class:`~tierstore.config.StoreOptions`: how a store is opened, not an option of the
-    store a config document holds)."""
-    if not isinstance(read_only, bool):
-        raise ConfigError(f"read_only: must be True or False, not {read_only!r}")
-    if read_only and manifest is None:
-        raise ConfigError(
-            "read_only: a read-only store opens a persistent store's manifest; pass manifest=DIR"
-        )
-
-
-def _check_dense(what: str, tensor: torch.Tensor) -> None:
-    """Refuse tensors whose values are not plain strided memory, before anything is written."""
-    reason = None
-    if tensor.is_nested:
-        reason = "nested tensors are not supported; store each component under its own key"
-    elif tensor.is_quantized:
-        reason = "quantized tensors are not supported; store t.int_repr() and the quantization parameters"
-    elif tensor.layout != torch.strided:
-        reason = f"only dense (strided) tensors are supported, not {tensor.layout}; store t.to_dense()"
-    elif tensor.is_meta:
-        reason = "meta tensors have no data"
-    if reason is not None:
-        raise BufferMismatchError(f"{what}: {reason}")
-
-
-def _check_distinct_elements(what: str, tensor: torch.Tensor) -> None:
-    """Refuse a destination whose elements share memory (``expand``: a stride of 0 along a
-    dimension of more than one element), which cannot hold distinct values; torch's ``copy_``
-    refuses it too, but only once the read is done."""
-    shared = [
-        dim
-        for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride(), strict=True))
-        if size > 1 and stride == 0
-    ]
-    if shared:
-        raise BufferMismatchError(
-            f"{what}: its elements share memory along dimension {shared[0]} (stride 0, as expand() "
-            "makes): it cannot hold distinct values; pass a tensor of its own memory"
-        )
-
-
-def _check_out(key: str, record: Record, out: torch.Tensor) -> None:
-    if out.dtype != record.dtype or tuple(out.shape) != record.shape:
-        raise BufferMismatchError(
-            f"get({key!r}): out is {out.dtype} {tuple(out.shape)} but the object is "
-            f"{record.dtype} {record.shape}"
-        )
-
-
-def _materialized(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor holding ``tensor``'s values: conjugate and negative views keep
-    their memory unchanged behind a flag, so their bytes are not their values until resolved."""
-    return tensor.cpu().resolve_conj().resolve_neg().contiguous()
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().data
+        if key not in self._operations.catalog and not self._serial.pending(key):
+            raise self._operations.catalog.missing(key)
