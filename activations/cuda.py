@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ..device import DeviceCopies, Transfer
-from .layout import Capture, copy_out, copy_views, storage_bytes
+from .capture import Capture, copy_out, copy_views, storage_bytes
 
 
 def needs_snapshot(tensor: torch.Tensor) -> bool:

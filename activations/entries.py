@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..device import Transfer
-from .layout import Capture
+from .capture import Capture
 from .spill_policy import Placement, ReadAhead, Residence, SpillPolicy
 
 Signature = list[tuple[int, torch.dtype]]

@@ -4,7 +4,7 @@
 ``unpack`` runs in backward and returns the tensor. Parameters and views of them, tensors under
 ``min_bytes`` and tensors without plain memory of their own stay as autograd keeps them, and so,
 with the ``checkpoint-inputs`` scope, does every tensor saved outside the inputs of a checkpointed
-region (:meth:`SavedTensorHooks.region_inputs`); the others are captured (:mod:`.layout`), two
+region (:meth:`SavedTensorHooks.region_inputs`); the others are captured (:mod:`.capture`), two
 saves of the same bytes sharing one capture. Each capture lives exactly as long as autograd's
 handles to it (a retained graph reads it again): its memory and its store object go once the graph
 frees them, after backward or when a failed step's graph is dropped.
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..device_runtime import DeviceRuntime
+from .capture import DEVICE_ALIGN, HOST_ALIGN, View, capture_of, rebuild, view_of
 from .entries import Entry, Step
-from .layout import DEVICE_ALIGN, HOST_ALIGN, View, capture_of, rebuild, view_of
 from .transfers import Transfers
 
 

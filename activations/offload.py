@@ -7,7 +7,7 @@ tensor. On top of it, SSDTrain's mechanics:
 * parameters and views of them are never spilled (``nn.Linear`` saves ``weight.t()``, a view);
   tensors under ``min_bytes`` stay in memory;
 * at the save, the bytes the tensor covers are copied into the offloader's memory (a *capture*,
-  :mod:`.layout`), so what backward gets is exactly what was saved, whatever forward writes into
+  :mod:`.capture`), so what backward gets is exactly what was saved, whatever forward writes into
   the storage afterwards; two saves of the same bytes share one capture and are spilled once;
 * all memory the offloader uses, captures being written and bytes read back, is lent from one
   staging area of ``budget`` bytes (:meth:`TierStore.staging`, reserved from the store's memory

@@ -60,8 +60,8 @@ from ..namespaces import NamespaceClaim
 from ..staging import StagingArea
 from ..store import TierStore
 from . import cuda
+from .capture import Capture, copy_out
 from .entries import DeviceTimes, Entry, Step
-from .layout import Capture, copy_out
 from .spill_policy import Placement, Residence, Room
 
 OUT_OF_ROOM_WAIT_S = 0.05

@@ -8,7 +8,7 @@
 
 The config is a store config: its ``tiers`` are where checkpoints go, fastest first.
 
-Every tier holds its checkpoints in persistent :class:`~tierstore.TierStore` s (:mod:`.layout`):
+Every tier holds its checkpoints in persistent :class:`~tierstore.TierStore` s (:mod:`.format`):
 the package uses the store's public API, and the store does the striping, checksums, packing and
 crash-safe commits.
 
@@ -17,7 +17,7 @@ crash-safe commits.
   flushes it; the coordinating rank then writes the checkpoint's commit record there, last, in a
   commit store of its own, and the save returns. With ``async_save``, the writer is also the
   stager: it puts the state into that cache (spilling to the fast tier while it is full) instead
-  of a second full copy, and training goes on once the copy is done (:mod:`.staging`).
+  of a second full copy, and training goes on once the copy is done (:mod:`.save_items`).
 * **Drain**: the coordinating rank copies the committed checkpoint to every following tier in the
   background, store by store with :meth:`~tierstore.TierStore.copy_to` (a hard link or a kernel
   copy between nvme directories, through memory elsewhere), and commits it there; it is durable

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from ..errors import BackendIOError, ChecksumError
 from ..store import TierStore
-from .layout import Committed
+from .format import Committed
 from .tiers import CheckpointTier
 
 _log = logging.getLogger("tierstore")

@@ -30,7 +30,7 @@ from ..errors import (
     MissingDataError,
 )
 from ..store import TierStore
-from .layout import SCHEME, Committed, Item, checkpoint_name, is_checkpoint_id
+from .format import SCHEME, Committed, Item, checkpoint_name, is_checkpoint_id
 from .stored import owner
 from .tiers import CheckpointTier, TierSet, open_tiers
 

@@ -1,6 +1,6 @@
 """One tier of a store config as a home for checkpoints, through :class:`~tierstore.TierStore`:
 opening its data and commit stores, committing and listing records, deleting checkpoints and
-collecting leftovers (the layout is in :mod:`.layout`).
+collecting leftovers (the on-tier format is in :mod:`.format`).
 
 A writer holds a *session* on each tier it writes: a lock file ``s-<session>.lock`` in the
 tier's checkpoint directory, held while the process lives (the kernel drops it when the process
@@ -55,7 +55,7 @@ from ..errors import (
 )
 from ..store import TierStore
 from ..tier import Tier
-from .layout import (
+from .format import (
     COMMIT_STORE,
     DATA_STORE,
     DIRECTORY,

@@ -21,8 +21,8 @@ from torch.futures import Future
 from ..config import ConfigSource, load_config
 from ..errors import BufferMismatchError, ConfigError, InvalidKeyError
 from .drain import Drainer
-from .layout import SCHEME, checkpoint_name, is_checkpoint_id
-from .staging import WAIT_SECONDS, SaveItems, object_bytes
+from .format import SCHEME, checkpoint_name, is_checkpoint_id
+from .save_items import WAIT_SECONDS, SaveItems, object_bytes
 from .stored import StoredTensor
 from .tiers import CheckpointTier, TierSet, open_tiers
 

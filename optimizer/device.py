@@ -2,7 +2,7 @@
 store and the device a sub-group at a time and updated there.
 
 An optimizer whose parameters are on a device (a GPU) stages its state through a
-:class:`DeviceStager` instead of a plain :class:`~tierstore.optimizer.staging.SubGroupStager`. The
+:class:`DeviceStager` instead of a plain :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`. The
 state lives in three places, each bounded by its own budget:
 
 * on the device: the sub-groups that fit ``gpu_budget`` (bytes of device memory) stay there between
@@ -67,7 +67,7 @@ from ..buffers import AlignedBuffer, round_up
 from ..device import CallerStream, DeviceCopies, DeviceRuntime, Transfer
 from ..store import TierStore
 from .options import CachePolicy
-from .staging import FP32, SubGroupStager
+from .subgroup_stager import FP32, SubGroupStager
 
 DEVICE_SLOTS = 3
 """Device slots of the streamed sub-groups: one on its way up (``k+1``), one being updated (``k``),
@@ -84,7 +84,7 @@ def device_bytes(nbytes: int) -> int:
 
 
 class DeviceStager(SubGroupStager):
-    """A :class:`~tierstore.optimizer.staging.SubGroupStager` whose sub-groups are updated on a
+    """A :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager` whose sub-groups are updated on a
     device (see the module docstring): pinned buffers, sub-groups kept in device memory within
     ``gpu_budget``, and :meth:`run_pass`, the pipeline that streams the others through device slots.
 
@@ -94,9 +94,9 @@ class DeviceStager(SubGroupStager):
     pass.
 
     Args:
-        store: as for :class:`~tierstore.optimizer.staging.SubGroupStager`; its device runtime
+        store: as for :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`; its device runtime
             pins the buffers.
-        namespace: as for :class:`~tierstore.optimizer.staging.SubGroupStager`.
+        namespace: as for :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`.
         device: the device the parameters (and so the update) are on.
         runtime: the device runtime (the store's: CUDA's, or a test's simulated device).
         gpu_budget: bytes of device memory for sub-groups kept there between passes (whole
@@ -112,7 +112,7 @@ class DeviceStager(SubGroupStager):
         owner: who holds the namespace and the host memory, as the store reports them.
 
     Raises:
-        ConfigError: as for :class:`~tierstore.optimizer.staging.SubGroupStager`.
+        ConfigError: as for :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`.
         CapacityError: ``dram_budget`` is below the ring, or does not fit the store's ledger.
         PinnedMemoryError: the ring could not be page-locked.
         NamespaceInUseError: ``namespace`` is already claimed on the store.
@@ -175,7 +175,7 @@ class DeviceStager(SubGroupStager):
         """Start a pass over ``order``: choose the sub-groups kept on the device (the first that fit
         ``gpu_budget``, in the order ``sizes`` lists them, which stays the same from pass to pass),
         and read ahead the others, in ``order``. See
-        :meth:`~tierstore.optimizer.staging.SubGroupStager.begin_pass`."""
+        :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.begin_pass`."""
         self._device_keep = self._plan_device({**self._sizes, **sizes})
         for name in [name for name in self.on_device if name not in self._device_keep]:
             self._write_out(name)  # sizes changed since it was chosen
@@ -248,7 +248,7 @@ class DeviceStager(SubGroupStager):
     # -- outside a pass: the store holds what the device holds -------------------------------------
     def read(self, name: Hashable) -> torch.Tensor:
         """The sub-group's current state in host memory: copied down from the device if kept there,
-        else as :meth:`~tierstore.optimizer.staging.SubGroupStager.read`."""
+        else as :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.read`."""
         state = self.on_device.get(name)
         if state is None:
             return super().read(name)
@@ -270,20 +270,20 @@ class DeviceStager(SubGroupStager):
         self._forget_device()
 
     def write(self, name: Hashable, elements: int, fill: Callable[[torch.Tensor], object]) -> None:
-        """As :meth:`~tierstore.optimizer.staging.SubGroupStager.write`; a copy kept on the device
+        """As :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.write`; a copy kept on the device
         is stale then and forgotten."""
         self.on_device.pop(name, None)
         with self.runtime.using(self.device):
             super().write(name, elements, fill)
 
     def grow(self, slot_elements: int, reserved_bytes: int) -> None:
-        """As :meth:`~tierstore.optimizer.staging.SubGroupStager.grow`, the new ring pinned for the
+        """As :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.grow`, the new ring pinned for the
         device."""
         with self.runtime.using(self.device):
             super().grow(slot_elements, reserved_bytes)
 
     def abandon(self) -> None:
-        """As :meth:`~tierstore.optimizer.staging.SubGroupStager.abandon`, after every copy in flight
+        """As :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.abandon`, after every copy in flight
         has ended; the device's copies are let go of."""
         self._forget_device()
         super().abandon()

@@ -10,8 +10,8 @@ for every optimizer:
    unscaling and clipping; each parameter counts its own steps, only those on which it has a
    gradient (bias correction, as in torch);
 2. visits the sub-groups forward on odd steps and in reverse on even ones (MLP-Offload's
-   cache-friendly :func:`~tierstore.optimizer.staging.pass_order`) through a
-   :class:`~tierstore.optimizer.staging.SubGroupStager`: read-ahead ring, background write-back,
+   cache-friendly :func:`~tierstore.optimizer.subgroup_stager.pass_order`) through a
+   :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`: read-ahead ring, background write-back,
    and the kept set the I/O model chooses;
 3. per sub-group, converts its gradients into one reused fp32 buffer (delayed, in place) and hands
    them to the optimizer's kernel, then copies the new master weights into the model's
@@ -64,7 +64,7 @@ from .masters import check_dtypes, check_layouts
 from .options import StagingKeywords, optimizer_options
 from .partition import Piece, SubGroup, partition, partition_whole
 from .saved_state import SavedState
-from .staging import FP32, SubGroupStager, pass_order
+from .subgroup_stager import FP32, SubGroupStager, pass_order
 
 
 class StagedOptimizer(SavedState):
@@ -75,7 +75,7 @@ class StagedOptimizer(SavedState):
     move the state while the kernels run.
 
     The state lives in the store under ``namespace``, which the optimizer claims on the store for
-    its lifetime (:class:`~tierstore.optimizer.staging.SubGroupStager`): a second optimizer, or any
+    its lifetime (:class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`): a second optimizer, or any
     workload, on the same store and namespace is refused with
     :class:`~tierstore.errors.NamespaceInUseError`. The namespace is the optimizer's own choice,
     never generated, because persistent state (snapshots, a persistent store) is found again by

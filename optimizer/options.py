@@ -6,7 +6,7 @@ docstring under it). :class:`~tierstore.optimizer.OffloadedAdamW`,
 :class:`~tierstore.integrations.fsdp.FSDPOffloadedAdamW` take them as keyword arguments,
 ``**staging``, typed for their callers by :class:`StagingKeywords` (a test holds its keys equal to
 the fields), and check them through the fields (:func:`optimizer_options`). The three that
-:class:`~tierstore.optimizer.staging.SubGroupStager` takes are :class:`StagingOptions`,
+:class:`~tierstore.optimizer.subgroup_stager.SubGroupStager` takes are :class:`StagingOptions`,
 which the DeepSpeed config's ``tierstore`` section takes through the same fields
 (:mod:`tierstore.integrations.deepspeed.config`).
 

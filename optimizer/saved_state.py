@@ -23,7 +23,7 @@ from ..snapshot import export_hdf5, open_snapshot
 from ..store import TierStore
 from .masters import check_layouts, check_own_masters, rounds_from, stale_entries, stale_masters_error
 from .partition import Piece, SubGroup
-from .staging import SubGroupStager
+from .subgroup_stager import SubGroupStager
 
 
 class SavedState(torch.optim.Optimizer):

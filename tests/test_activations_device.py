@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from tierstore.activations import ActivationOffload, Plan
-from tierstore.activations.layout import DEVICE_ALIGN
+from tierstore.activations.capture import DEVICE_ALIGN
 from tierstore.activations.replay import SavedTensor, keep_on_device
 from tierstore.backends import open_backend
 from torch import nn

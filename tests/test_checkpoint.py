@@ -27,7 +27,7 @@ import torch
 from tierstore.backends import register_backend
 from tierstore.backends.wrapper import WrapperBackend
 from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter, stored_tensors
-from tierstore.checkpoint.staging import SaveItems
+from tierstore.checkpoint.save_items import SaveItems
 from tierstore.checkpoint.tiers import open_tiers
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -17,7 +17,7 @@ import pytest
 import torch
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
 from tierstore.optimizer.device import DEVICE_SLOTS, DeviceStager, device_bytes
-from tierstore.optimizer.staging import SubGroupStager
+from tierstore.optimizer.subgroup_stager import SubGroupStager
 
 from tierstore import BufferMismatchError, ConfigError, TierStore
 from tierstore.app.demo import GPT

@@ -10,8 +10,8 @@ import h5py
 import pytest
 import torch
 from tierstore.backends import open_backend
-from tierstore.checkpoint.layout import FORMAT as RECORD_FORMAT
-from tierstore.checkpoint.layout import decode_record, encode_record
+from tierstore.checkpoint.format import FORMAT as RECORD_FORMAT
+from tierstore.checkpoint.format import decode_record, encode_record
 
 from tierstore import BufferMismatchError, ManifestError, Tier, TierStore, export_hdf5, import_hdf5
 from tierstore.manifest import FORMAT as MANIFEST_FORMAT

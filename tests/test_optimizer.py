@@ -610,7 +610,7 @@ def test_bad_parameter_group_hyperparameters_name_the_group(tmp_path: Path) -> N
 def test_a_pooled_subgroup_grows_into_a_larger_buffer_keeping_its_values(tmp_path: Path) -> None:
     """The DeepSpeed swapper's first step: a sub-group read as master weights only, resized once the
     optimizer has created its moments; a kept (pool) buffer of the old size must not lose them."""
-    from tierstore.optimizer.staging import SubGroupStager
+    from tierstore.optimizer.subgroup_stager import SubGroupStager
 
     with make_store(tmp_path, "dram") as store:
         stager = SubGroupStager(store, "grow", slot_elements=3 * 4096, dram_budget=1 << 20)

@@ -9,7 +9,7 @@ Nothing here edits DeepSpeed; each seam is an override or a scoped substitution,
    and restores it after.
 2. to 5. and 7.: that subclass's overrides (:mod:`.zero_optimizer`, which says what each does):
    the optimizer-state swapper (:class:`~.swapper.TierStoreSwapper`, state in a TierStore through a
-   :class:`~tierstore.optimizer.staging.SubGroupStager`), the gradients kept in low precision and
+   :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`), the gradients kept in low precision and
    converted per sub-group, the cache-friendly sub-group order, and the optimizer state in
    checkpoints (:mod:`.checkpoints`).
 6. ``engine.forward``: with ``tierstore.activations`` in the section, :func:`offload_activations`

@@ -2,7 +2,7 @@
 
 DeepSpeed swaps each fp32 sub-group partition in before its update and out after it through an
 "optimizer swapper"; :class:`TierStoreSwapper` is that surface, staging the state through a
-:class:`~tierstore.optimizer.staging.SubGroupStager` (read-ahead in the pass order it is told, the
+:class:`~tierstore.optimizer.subgroup_stager.SubGroupStager` (read-ahead in the pass order it is told, the
 end of a pass kept in DRAM, background write-back) instead of DeepSpeed's aio swap files. It also
 moves its sub-groups into and out of a checkpoint (:mod:`.checkpoints`).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tierstore.optimizer.staging import FP32, SubGroupStager
+from tierstore.optimizer.subgroup_stager import FP32, SubGroupStager
 
 from tierstore._directories import missing_directories, remove_empty
 from tierstore.buffers import aligned_tensor

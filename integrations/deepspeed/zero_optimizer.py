@@ -11,7 +11,7 @@ the methods listed in :data:`RELIED_ON` (checked by :func:`~.seams.check_seams`)
 * ``_optimizer_states_and_gradient_swap_in`` (seam 4): after the state is in, converts the
   sub-group's low-precision gradient slice into one reused fp32 buffer (delayed, in place) as
   ``.grad``; ``unscale_and_clip_grads`` passes over a sub-group left without one (see below).
-* ``step`` (seam 5): visits sub-groups in :func:`~tierstore.optimizer.staging.pass_order`
+* ``step`` (seam 5): visits sub-groups in :func:`~tierstore.optimizer.subgroup_stager.pass_order`
   (forward, then in reverse on the next step: cache-friendly), and tells the swapper the order
   so it reads ahead and keeps the end of the pass in DRAM; ``backward_prologue`` begins that
   pass early, so its first reads run while backward does.
@@ -54,7 +54,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
-from tierstore.optimizer.staging import pass_order
+from tierstore.optimizer.subgroup_stager import pass_order
 
 from tierstore._directories import missing_directories
 from tierstore.errors import BufferMismatchError, ConfigError

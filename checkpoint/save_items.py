@@ -41,7 +41,7 @@ import torch
 from ..dtypes import dtype_name
 from ..errors import BufferMismatchError, ConfigError, KeyNotFoundError
 from ..store import TierStore
-from .layout import Item
+from .format import Item
 from .stored import owner
 
 MAX_OBJECT_BYTES = 256 << 20
