@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -159,6 +160,45 @@ def run_child(
             stdout, stderr = child.communicate()
             raise subprocess.TimeoutExpired(expired.cmd, expired.timeout, stdout, stderr) from None
     return subprocess.CompletedProcess(list(command), child.returncode, stdout, stderr)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on: a process group's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_ranks(
+    command: Sequence[str], world: int, *, timeout: float, env: Mapping[str, str] | None = None
+) -> None:
+    """Run ``command`` as every rank of a process group of ``world`` ranks on this machine, each in
+    a session of its own (:func:`child_session`: all are killed when one fails or runs out of time),
+    and fail unless each one exits 0 (the message is the end of its output).
+
+    Args:
+        command: the program and its arguments, the same for each rank.
+        world: how many ranks.
+        timeout: seconds each rank may run.
+        env: variables the ranks get beside this process's environment and ``RANK``, ``WORLD_SIZE``,
+            ``MASTER_ADDR`` and ``MASTER_PORT``.
+    """
+    group = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with ExitStack() as sessions:
+        ranks = [
+            sessions.enter_context(
+                child_session(
+                    command,
+                    env={**os.environ, **(env or {}), **group, "RANK": str(rank)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            for rank in range(world)
+        ]
+        logs = [rank.communicate(timeout=timeout)[0] for rank in ranks]
+    for rank, log in zip(ranks, logs, strict=True):
+        assert rank.returncode == 0, log[-4000:]
 
 
 def _kill_session(leader: subprocess.Popen[str]) -> None:

@@ -6,8 +6,6 @@ gradient checkpointing, on the CPU and a real store; FSDP2 on two gloo ranks."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,9 +20,9 @@ from torch import nn
 
 from tierstore import ConfigError, Tier, TierStore
 
+from .helpers import run_ranks
 from .test_activations import CausalLM, activation_keys, stepped_grads
 from .test_activations_device import enable_checkpointing, tokens_of
-from .test_deepspeed import free_port
 
 KIB = 1 << 10
 WIDTH, BLOCKS = 128, 4
@@ -178,36 +176,9 @@ def test_bad_scope_and_device_budget_name_the_field(store: TierStore) -> None:
 # -- FSDP2 ----------------------------------------------------------------------------------------------
 def launch_fsdp(tmp_path: Path, world: int = 2) -> dict[str, Any]:
     """Run the FSDP2 worker on ``world`` gloo ranks; rank 0's result."""
-    port = free_port()
     output = tmp_path / "result.json"
-    processes = []
-    try:
-        for rank in range(world):
-            environment = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-            }
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(FSDP_WORKER), str(tmp_path), str(output)],
-                    env=environment,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        logs = [process.communicate(timeout=240)[0] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for process, log in zip(processes, logs, strict=True):
-        assert process.returncode == 0, log[-4000:]
+    command = [sys.executable, str(FSDP_WORKER), str(tmp_path), str(output)]
+    run_ranks(command, world, timeout=240, env={"OMP_NUM_THREADS": "1"})
     result: dict[str, Any] = json.loads(output.read_text())
     return result
 

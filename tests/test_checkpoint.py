@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import socket
 import time
 import uuid
 from collections import Counter
@@ -44,6 +43,7 @@ from tierstore import (
 from tierstore.config import load_config
 
 from . import checkpoint_worker as worker
+from .helpers import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -67,12 +67,6 @@ def run(context: ForkServerContext, target: Callable[..., None], *arguments: Any
     for child in children:
         child.join(120)
         assert child.exitcode == 0, f"{target.__name__} failed (exit code {child.exitcode})"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def config(root: Path, slow: str | dict[str, Any] | None = None, budget: str = "64KiB") -> dict[str, Any]:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ from tierstore.integrations.deepspeed.checkpoints import CHECKPOINT_INDEX
 from tierstore import ConfigError, UnsupportedVersionError
 from tierstore.app.demo import GPT, Linear
 
-from .helpers import child_session
+from .helpers import run_ranks
 
 SMALL = ["--layers", "2", "--width", "256", "--heads", "4", "--vocab", "2048", "--sub-group-size", "1000000"]
 BF16_TOLERANCE = 2e-2  # relative; bf16 keeps 8 bits of mantissa
@@ -44,33 +42,12 @@ def scratch(tmp_path: Path, deepspeed_ops: None) -> Any:
     subprocess.run(["rm", "-rf", str(directory)], check=True)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def train(*args: str, world: int = 1, output: Path) -> list[dict[str, Any]]:
     """Run the example on ``world`` ranks; rank 0's rows. Every rank is killed when one fails or
     runs out of time."""
-    port = str(free_port())
     command = [sys.executable, "-m", "tierstore.integrations.deepspeed.example", *args, "--json", str(output)]
-    with ExitStack() as ranks:
-        processes = [
-            ranks.enter_context(
-                child_session(
-                    command,
-                    env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-            for rank in range(world)
-        ]
-        # Generous: on a CPU without native bf16 the 10M-parameter runs take ~80 s each.
-        logs = [process.communicate(timeout=900)[0] for process in processes]
-    for process, log in zip(processes, logs, strict=True):
-        assert process.returncode == 0, log[-4000:]
+    # Generous: on a CPU without native bf16 the 10M-parameter runs take ~80 s each.
+    run_ranks(command, world, timeout=900)
     rows: list[dict[str, Any]] = json.loads(output.read_text())["rows"]
     return rows
 

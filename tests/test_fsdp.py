@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from .helpers import relative_error
+from .helpers import relative_error, run_ranks
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 STEPS = 10
@@ -27,46 +26,12 @@ Run = tuple[dict[str, Any], list[torch.Tensor]]
 SAVE_AT = 5
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def launch(tmp: Path, name: str, world: int = 2, **run: Any) -> Run:
     """Run the worker on ``world`` ranks; rank 0's result and (for training runs) the trained
     parameters, gathered whole."""
     output = tmp / f"{name}.json"
     document = json.dumps({"output": str(output), "steps": STEPS, **run})
-    port = free_port()
-    processes = []
-    try:
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-            }
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), document],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        logs = [process.communicate(timeout=240)[0] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for process, log in zip(processes, logs, strict=True):
-        assert process.returncode == 0, log[-4000:]
+    run_ranks([sys.executable, str(WORKER), document], world, timeout=240, env={"OMP_NUM_THREADS": "1"})
     result = json.loads(output.read_text())
     weights = output.with_suffix(".pt")
     return result, (torch.load(weights) if weights.exists() else [])

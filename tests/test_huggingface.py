@@ -27,10 +27,10 @@ import torch
 from tierstore.integrations import deepspeed as ts_deepspeed
 from tierstore.integrations.deepspeed.config import parse_section
 
-from tests.test_deepspeed import BF16_TOLERANCE, deepspeed_aio_missing, free_port
+from tests.test_deepspeed import BF16_TOLERANCE, deepspeed_aio_missing
 from tierstore import ConfigError, UnsupportedVersionError
 
-from .helpers import run_child
+from .helpers import free_port, run_child
 
 pytestmark = pytest.mark.skipif(
     deepspeed_aio_missing(), reason="DeepSpeed's own NVMe offload (the baseline) needs Debian's libaio-dev"
