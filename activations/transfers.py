@@ -10,32 +10,8 @@ the tensor. When the policy can make no room (tensors rebuilt earlier are still 
 offloader), a save stays where autograd keeps it and a read goes to ordinary memory instead of
 waiting for ever; ``overflow_bytes`` counts those bytes.
 
-Device memory the offloader holds is bounded by ``device_budget``: saved tensors held while their
-copy to host memory runs, saved tensors left on the device, and tensors copied back ahead of their
-use. Each is counted from when the offloader takes it until it lets go of it (or its last handle
-is served: autograd's memory from then on).
-
-The lifetime of every buffer and event of a saved tensor of a device:
-
-* the *caller event*, recorded on the compute stream at the save (after the producing kernel): the
-  copy stream waits for it before the copy out; held until that copy is queued;
-* the *copy out* (a timed :class:`~tierstore.device.Transfer` on the copy stream): it holds the
-  saved tensor (or its snapshot) and the pinned lease it fills until its end event has completed
-  and a reap has seen it (the background thread waits for each), never shorter; then its
-  ``on_end`` checks the saved tensor's version and lets go of the device memory, unless the entry
-  stays on the device (then ``Entry.source`` holds it until the entry dies);
-* the *pinned lease* (``Entry.data``): from the save until the entry's write ends (a spilled
-  capture, unless read-ahead hands it back) or until the entry dies (a capture kept in host
-  memory); a copy in flight that reads or writes it holds it longer, so its pages return to the
-  pool only after that copy's end event, also when autograd let go of the entry earlier;
-* the *copy back* (a timed transfer into new memory of the copy stream, :meth:`DeviceCopies.fetch
-  <tierstore.device.DeviceCopies.fetch>`): it holds the lease until its end event; the restored
-  memory is held by ``Entry.restored`` until the entry's last handle is served, and by the
-  rebuilt tensors afterwards; at each use the compute stream waits for the copy's end event and
-  the memory is marked as used by it (``record_stream``), so that it is reused only after that use;
-* the *timed marks* on the compute stream (at the step's first save of a device tensor, each save,
-  the end of forward, each first use, around each wait at a use): kept by the step until its
-  report and profile are taken from them.
+Device memory the offloader holds is bounded by ``device_budget`` (:mod:`.device_budget`); the
+lifetime of every buffer and event of a saved tensor of a device is in :mod:`.cuda`.
 """
 
 from __future__ import annotations
@@ -61,6 +37,7 @@ from ..staging import StagingArea
 from ..store import TierStore
 from . import cuda
 from .capture import Capture, copy_out
+from .device_budget import DeviceBudget
 from .entries import DeviceTimes, Entry, Step
 from .spill_policy import Placement, Residence, Room
 
@@ -106,11 +83,7 @@ class Transfers:
         self._stats = stats
         self._background = background
         self._device = device
-        self._device_budget = device_budget
-        self._device_held = 0
-        """Device memory the offloader holds now (see the module docstring)."""
-        self._copying: deque[tuple[Entry, Transfer]] = deque()
-        """Copies to host memory, oldest first (those that have ended are pruned from the left)."""
+        self._device_memory = DeviceBudget(device_budget, lock, stats, device)
         self._writes_in_flight = 0
         self._writing_bytes = 0
         self._reads_in_flight = 0
@@ -137,19 +110,15 @@ class Transfers:
                 f"budget: {self._staging.budget} bytes cannot hold one saved tensor of {capture.nbytes} "
                 f"bytes ({tensor.type()} {list(tensor.shape)}); raise budget, or min_bytes above it"
             )
-        if device is not None and capture.nbytes > self._device_budget:
-            raise ConfigError(
-                f"device_budget: {self._device_budget} bytes cannot hold one saved tensor of "
-                f"{capture.nbytes} bytes ({tensor.type()} {list(tensor.shape)}) while it is copied; raise "
-                "device_budget, or min_bytes above it"
-            )
+        if device is not None:
+            self._device_memory.check_fits(capture.nbytes, tensor)
         with self._lock:
             placement = step.place(capture.nbytes, tensor.dtype, device=device is not None)
         if placement is Placement.DEVICE and capture.start is None:
             placement = Placement.HOST  # a view with gaps cannot be rebuilt from its storage's bytes
         stalled = time.perf_counter()
         lease: Lease | None = None
-        if device is not None and not self._device_room(capture.nbytes):
+        if device is not None and not self._device_memory.reserve(capture.nbytes):
             return None  # tensors left on the device fill the budget: it stays as autograd keeps it
         if placement is not Placement.DEVICE:
             if device is not None:
@@ -166,7 +135,7 @@ class Transfers:
             step.stalls += waited
             if lease is None and placement is not Placement.DEVICE:
                 if device is not None:
-                    self._device_held -= capture.nbytes
+                    self._device_memory.give_back(capture.nbytes)
                 return None
         entry = Entry(
             step=step,
@@ -227,7 +196,7 @@ class Transfers:
             on_end=lambda: self._copied_out(entry, saved, version),
             snapshot=snapshot,
         )
-        self._copying.append((entry, entry.copied))
+        self._device_memory.copying_out(entry, entry.copied)
         self._stats["host_bytes"] += entry.capture.nbytes
         # Its memory back promptly: the background thread reaps the copy once it has ended.
         self._background.submit(self._device.wait, entry.copied)
@@ -239,41 +208,17 @@ class Transfers:
             entry.copying = False
             if tensor._version != version:
                 entry.modified = tensor._version
-            transfer = next((t for e, t in self._copying if e is entry), None)
+            transfer = self._device_memory.copied_out(entry)
             traffic = entry.step.traffic
             traffic.to_host_bytes += entry.capture.nbytes
             if transfer is not None and transfer.seconds is not None:
                 traffic.to_host_seconds += transfer.seconds
-            while self._copying and not self._copying[0][0].copying:
-                self._copying.popleft()
             if not entry.on_device or entry.dead:
                 entry.source = entry.tracked = None
             elif not entry.spill:
                 entry.drop()  # it stays on the device: the host copy is not needed
-            self._release_device(entry)
+            self._device_memory.release(entry)
             self._lock.notify_all()
-
-    def _device_room(self, nbytes: int) -> bool:
-        """Reserve ``nbytes`` of the device budget for a save, waiting on this thread (forward's)
-        for the oldest copies to host memory to end while it is full; False when no copy in
-        flight can make room (tensors left on the device fill it)."""
-        while True:
-            with self._lock:
-                if self._device_held + nbytes <= self._device_budget:
-                    self._device_held += nbytes
-                    self._note_device()
-                    return True
-                oldest = next((t for e, t in self._copying if e.copying), None)
-            if oldest is None:
-                return False
-            self._device.wait(oldest)
-
-    def _release_device(self, entry: Entry) -> None:
-        """Give back the entry's device memory once nothing of it is held: its copy to host memory
-        has ended and it is not left on the device (under the lock)."""
-        if entry.device_bytes and not entry.copying and entry.source is None:
-            self._device_held -= entry.device_bytes
-            entry.device_bytes = 0
 
     def end_forward(self, step: Step) -> None:
         """Forward of ``step`` is over and did not fail (under the lock): a device tensor whose copy
@@ -361,10 +306,9 @@ class Transfers:
             ):
                 if entry.data is None or entry.reading:
                     return  # its read brings its bytes, and calls this again
-                if self._device_held + entry.capture.nbytes > self._device_budget:
+                if not self._device_memory.has_room(entry.capture.nbytes):
                     return  # a use hands a restored tensor over, and calls this again
-                self._device_held += entry.capture.nbytes
-                self._note_device()
+                self._device_memory.take(entry.capture.nbytes)
                 entry.restored, entry.restoring = self._copy_back(entry, ahead=True)
             step.restore_cursor += 1
 
@@ -408,8 +352,7 @@ class Transfers:
             self.bytes_for(entry, what)
             with self._lock:
                 if entry.restored is None:  # (another handle's use may have brought it meanwhile)
-                    self._device_held += entry.capture.nbytes
-                    self._note_device()
+                    self._device_memory.take(entry.capture.nbytes)
                     entry.restored, entry.restoring = self._copy_back(entry, ahead=False)
                 restored, transfer = entry.restored, entry.restoring
                 assert restored is not None and transfer is not None
@@ -423,7 +366,7 @@ class Transfers:
         them back again)."""
         if entry.restored is not None:
             entry.restored = None
-            self._device_held -= entry.capture.nbytes
+            self._device_memory.give_back(entry.capture.nbytes)
 
     def _mark_use(
         self, entry: Entry, device: torch.device, restored: torch.Tensor | None, transfer: Transfer | None
@@ -516,8 +459,8 @@ class Transfers:
         entry.source = entry.tracked = None
         if entry.restored is not None:
             entry.restored = None
-            self._device_held -= entry.capture.nbytes
-        self._release_device(entry)
+            self._device_memory.give_back(entry.capture.nbytes)
+        self._device_memory.release(entry)
         if not entry.writing:
             self.delete(entry)
 
@@ -603,13 +546,10 @@ class Transfers:
         self._stats["peak_resident_bytes"] = max(self._stats["peak_resident_bytes"], resident)
         self._stats["step_peak_resident_bytes"] = max(self._stats["step_peak_resident_bytes"], resident)
 
-    def _note_device(self) -> None:
-        self._stats["peak_device_bytes"] = max(self._stats["peak_device_bytes"], self._device_held)
-
     @property
     def device_held(self) -> int:
         """Device memory the offloader holds now."""
-        return self._device_held
+        return self._device_memory.held
 
     def _mark(self, device: torch.device) -> object:
         """A timed event on the calling thread's current stream on ``device``."""
