@@ -25,6 +25,7 @@ from ..store import TierStore
 from .engine import StagedOptimizer, is_real
 from .options import StagingKeywords
 from .partition import Piece, SubGroup
+from .state_precision import RowKind
 
 STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 """A sub-group's state, in object order (as named in a state dict); the first for groups with
@@ -40,6 +41,14 @@ KERNEL_KEYS: dict[str, tuple[bool | None, ...]] = {
 torch's fused AdamW (``fused=True``, what ``None`` is taken to mean); ``foreach=True`` (another
 kernel), ``fused=False``, ``capturable=True`` (CUDA graph capture) and ``differentiable=True``
 (autograd through the step) are not what it runs, and are refused."""
+
+PART_KINDS: dict[str, RowKind] = {
+    "master_param": "master",
+    "exp_avg": "signed",
+    "exp_avg_sq": "nonnegative",
+    "max_exp_avg_sq": "nonnegative",
+}
+"""What each state part holds, for its stored format (:mod:`~tierstore.optimizer.state_precision`)."""
 
 
 class AdamWKeywords(StagingKeywords, total=False):
@@ -118,6 +127,7 @@ class OffloadedAdamW(StagedOptimizer):
 
     LAYOUT_KEYS = ("amsgrad",)
     IMPLEMENTATION_KEYS = tuple(KERNEL_KEYS)
+    COMPRESSED_STATE = None
 
     def __init__(
         self,
@@ -184,6 +194,9 @@ class OffloadedAdamW(StagedOptimizer):
         if all(self._own_masters[number] for number in self._group_params(sg.group)):
             return parts[1:]
         return parts
+
+    def _row_parts(self, sg: SubGroup) -> tuple[tuple[str, RowKind], ...]:
+        return tuple((part, PART_KINDS[part]) for part in self._parts(sg))
 
     def _entry_parts(self, param: int, group: int) -> tuple[str, ...]:
         """The state parts of parameter ``param`` (of group ``group``) in a state dict: its group's,

@@ -159,7 +159,8 @@ class StagedOptimizer(SavedState):
         self.params = [p for group in self.param_groups for p in group["params"]]
         self.subgroups: list[SubGroup] = []
         self.subgroups = self._partition(0)
-        slot_elements = max((self.state_numel(sg) for sg in self.subgroups), default=1)
+        self._set_precision(options.state_precision)
+        slot_elements = max((self._stored_numel(sg) for sg in self.subgroups), default=1)
         self.stager: SubGroupStager
         dram_budget = None if options.dram_budget is None else int(options.dram_budget)
         gpu_bytes = int(options.gpu_budget or 0)
@@ -177,7 +178,7 @@ class StagedOptimizer(SavedState):
                 dram_budget=dram_budget,
                 prefetch_depth=options.prefetch_depth,
                 cache_policy=options.cache_policy,
-                reserved_bytes=FP32 * self._gradient_numel(self.subgroups),
+                reserved_bytes=FP32 * self._buffers_numel(self.subgroups),
                 owner=type(self).__name__,
             )
         else:
@@ -342,7 +343,7 @@ class StagedOptimizer(SavedState):
         order = pass_order(len(self.subgroups), self.step_count + 1)
         # The pass's first reads run while the gradient norm is taken: the norm is a full pass
         # over the gradients, time the disk would otherwise sit idle.
-        self.stager.begin_pass(order, {sg.index: self.state_numel(sg) for sg in self.subgroups})
+        self.stager.begin_pass(order, {sg.index: self._stored_numel(sg) for sg in self.subgroups})
         try:
             if isinstance(self.stager, DeviceStager):
                 self._step_on_device(self.stager, grad_scale)
@@ -358,7 +359,7 @@ class StagedOptimizer(SavedState):
                 for index in order:
                     state = self.stager.acquire(index)
                     started = time.perf_counter()
-                    self._update(self.subgroups[index], state, coefficient)
+                    self._in_precision(self.subgroups[index], state, self._update, coefficient)
                     compute += time.perf_counter() - started
                     self.stager.release(index)
                 self.compute_seconds = compute
@@ -399,7 +400,7 @@ class StagedOptimizer(SavedState):
         started = time.perf_counter()
         self._grad, self._step_tensor = buffers.grad, buffers.step_tensor
         try:
-            self._update(self.subgroups[index], state, coefficient)
+            self._in_precision(self.subgroups[index], state, self._update, coefficient)
         finally:  # the step's device memory is not held past its kernels
             self._grad, self._step_tensor = NO_GRADIENTS, host_step_tensor
         buffers.seconds += time.perf_counter() - started
@@ -430,7 +431,8 @@ class StagedOptimizer(SavedState):
         gradient = device_bytes(FP32 * self._gradient_numel(self.subgroups))
         count = len(self.params)
         scalars = DEVICE_BLOCK * count + 3 * device_bytes(FP32 * count)
-        return self.stager.slot_device_bytes + gradient + scalars
+        scratch = device_bytes(FP32 * self._scratch_numel(self.subgroups)) if self.precision.compressed else 0
+        return self.stager.slot_device_bytes + gradient + scalars + scratch
 
     # -- for the optimizers -------------------------------------------------------------------------
     def _check_place(self, param: torch.Tensor, where: str) -> None:
@@ -478,6 +480,11 @@ class StagedOptimizer(SavedState):
         start = len(self.subgroups)
         return [dataclasses.replace(sg, index=start + i) for i, sg in enumerate(cut)]
 
+    def _buffers_numel(self, subgroups: list[SubGroup]) -> int:
+        """fp32 values of the CPU path's own buffers for ``subgroups``: the gradient buffer and the
+        scratch a compressed sub-group is unpacked into."""
+        return self._gradient_numel(subgroups) + self._scratch_numel(subgroups)
+
     def _gradient_numel(self, subgroups: list[SubGroup]) -> int:
         """Elements of the fp32 gradient buffer ``subgroups`` need."""
         return gradient_numel(subgroups, whole_params=self.whole_params, on_device=self.device is not None)
@@ -490,8 +497,8 @@ class StagedOptimizer(SavedState):
         added = self._partition(group)
         try:
             self.stager.grow(
-                max((self.state_numel(sg) for sg in added), default=1),
-                FP32 * self._gradient_numel(added),
+                max((self._stored_numel(sg) for sg in added), default=1),
+                FP32 * self._buffers_numel(added),
             )
             self._write_all(None, added)
         except BaseException:

@@ -24,6 +24,8 @@ from typing import Any, Literal, TypedDict
 from pydantic import ByteSize, Field, field_validator
 
 from .._checks import ConfigModel, check_arguments, is_integer
+from ..errors import ConfigError
+from .state_precision import PRESETS, StatePrecision, state_precision
 
 CachePolicy = Literal["model", "static", "none"]
 
@@ -56,6 +58,19 @@ class OptimizerOptions(StagingOptions):
     gpu_budget: ByteSize | None = None
     """Parameters on a GPU only: GPU memory for sub-groups that stay there between steps, which
     then never cross the bus; None or 0 for none (see :mod:`tierstore.optimizer.device`)."""
+    state_precision: StatePrecision = PRESETS["fp32"]
+    """How the state is stored and moved: a preset's name (``"fp32"``, exact; ``"bf16"`` moments;
+    ``"int8"`` blockwise-quantised moments; ``"int8-compensated"``, with a bf16-compensated master
+    for low-precision parameters) or a :class:`~tierstore.optimizer.state_precision.StatePrecision`
+    (see :mod:`tierstore.optimizer.state_precision`)."""
+
+    @field_validator("state_precision", mode="before")
+    @classmethod
+    def _precision(cls, value: Any) -> StatePrecision:
+        try:
+            return state_precision(value)
+        except ConfigError as error:
+            raise ValueError(str(error).removeprefix("state_precision: ")) from None
 
     @field_validator("max_grad_norm", mode="before")
     @classmethod
@@ -79,6 +94,7 @@ class StagingKeywords(TypedDict, total=False):
     max_grad_norm: float | None
     compute_threads: int | None
     gpu_budget: int | str | None
+    state_precision: str | StatePrecision
 
 
 def optimizer_options(owner: str, staging: Mapping[str, Any]) -> OptimizerOptions:

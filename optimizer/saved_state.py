@@ -11,18 +11,22 @@ layout checks of :mod:`tierstore.optimizer.masters`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
-from ..errors import BufferMismatchError, StoreClosedError
+from ..buffers import aligned_tensor
+from ..errors import BufferMismatchError, ConfigError, StoreClosedError
 from ..snapshot import export_hdf5, open_snapshot
 from ..store import TierStore
 from .masters import check_layouts, check_own_masters, rounds_from, stale_entries, stale_masters_error
 from .partition import Piece, SubGroup
+from .state_precision import FP32_STATE, PackedLayout, RowKind, StatePrecision, state_precision
 from .subgroup_stager import SubGroupStager
 
 
@@ -49,6 +53,17 @@ class SavedState(torch.optim.Optimizer):
     """Per parameter, whether it is fp32 and so its own master weights (none in the state)."""
     _layouts: list[dict[str, Any]]
     """Per group, the group keys its state is laid out by, as they were when it was added."""
+    device: torch.device | None
+    """The GPU the parameters are on (the device path), or None for parameters in host memory."""
+    precision: StatePrecision = FP32_STATE
+    """The format the state is stored in (:mod:`tierstore.optimizer.state_precision`)."""
+    _scratch: torch.Tensor = torch.empty(0)
+    """Host memory a compressed sub-group is unpacked into for its update (the largest's fp32
+    state), counted as the stager's reserved bytes."""
+
+    COMPRESSED_STATE: ClassVar[str | None] = "its state is not rows of parameter elements"
+    """Why this optimizer stores its state in fp32 only (``state_precision`` other than ``"fp32"``
+    is refused, saying so), or None where :meth:`_row_parts` lays it out for compression."""
 
     IMPLEMENTATION_KEYS: ClassVar[tuple[str, ...]] = ()
     """Group keys that name the kernel rather than the training (torch's ``foreach``, ``fused``...):
@@ -83,6 +98,11 @@ class SavedState(torch.optim.Optimizer):
     def _restore_entries(self, entries: list[dict[str, Any] | None]) -> None:
         """Take back what a state dict's entries hold beside the state objects and step counts."""
 
+    def _row_parts(self, sg: SubGroup) -> tuple[tuple[str, RowKind], ...]:
+        """The rows of the sub-group's fp32 state, each ``sg.numel`` values, in order: their names
+        in a state dict and what they hold (for optimizers whose :attr:`COMPRESSED_STATE` is None)."""
+        raise NotImplementedError(f"{type(self).__name__} stores its state in fp32 only")
+
     # -- public -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -95,13 +115,26 @@ class SavedState(torch.optim.Optimizer):
             ``state``: per parameter index its ``step`` (its own count) and its state as whole
             fp32 tensors of its shape (``master_param`` only for a low-precision parameter: an fp32
             one is its own master); ``param_groups``: the groups' hyper-parameters with their
-            parameters' indices; ``step_count`` and ``skipped_steps``: the optimizer's counts.
+            parameters' indices; ``step_count`` and ``skipped_steps``: the optimizer's counts. In a
+            compressed :attr:`precision`, ``state`` holds the steps only and ``packed_state`` the
+            stored bytes (:func:`~tierstore.optimizer.state_precision.fp32_state_dict` makes
+            torch's format of it).
 
         Raises:
             StoreClosedError: the optimizer is closed.
         """
         self._check_open()
         self.stager.flush()
+        if self.precision.compressed:
+            return {
+                "state": {
+                    i: {"step": torch.tensor(float(steps))} for i, steps in enumerate(self.param_steps)
+                },
+                "param_groups": self._state_dict_groups(),
+                "step_count": self.step_count,
+                "skipped_steps": self.skipped_steps,
+                "packed_state": self._packed_state(),
+            }
         entries = self._state_entries()
         return {
             "state": {
@@ -129,9 +162,14 @@ class SavedState(torch.optim.Optimizer):
             state_dict: a state dict of an optimizer with the same parameters and state layout
                 (this optimizer's, or torch's AdamW's).
 
+        A compressed state dict (``packed_state``) is loaded as saved, byte for byte, into an
+        optimizer of its :attr:`precision` and sub-groups; an fp32 one (torch's format) into a
+        compressed optimizer is compressed as it is written.
+
         Raises:
             BufferMismatchError: the dict's groups, parameters or state shapes do not match this
-                optimizer's, or a group's :attr:`LAYOUT_KEYS` differ; nothing is restored.
+                optimizer's, a group's :attr:`LAYOUT_KEYS` differ, or its ``packed_state`` is of
+                another precision or sub-groups; nothing is restored.
             StaleMasterWeightsError: a low-precision parameter does not round from its entry's
                 ``master_param``; nothing is restored.
             StoreClosedError: the optimizer is closed.
@@ -140,15 +178,24 @@ class SavedState(torch.optim.Optimizer):
         state = state_dict["state"]
         entries = [state.get(i, state.get(str(i))) for i in range(len(self.params))]
         self._check_groups(state_dict["param_groups"])
-        self._check_entries(entries)
-        self._check_masters(entries)
+        packed = state_dict.get("packed_state")
+        if packed is not None:
+            self._check_packed(packed)
+        else:
+            self._check_entries(entries)
+            self._check_masters(entries)
         self._take_groups(state_dict["param_groups"])
         self.param_steps = [0 if entry is None else int(entry.get("step", 0)) for entry in entries]
         self._restore_entries(entries)
         self.step_count = int(state_dict.get("step_count", max(self.param_steps, default=0)))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.stager.drop_resident()
-        self._write_all(state)
+        if packed is None:
+            self._write_all(state)
+            return
+        for sg, saved in zip(self.subgroups, packed["subgroups"], strict=True):
+            self.stager.write(sg.index, self._stored_numel(sg), functools.partial(_copy_bytes, saved["data"]))
+        self.stager.wait_writes()
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 master weights.
@@ -163,7 +210,7 @@ class SavedState(torch.optim.Optimizer):
         self._check_open()
         masters = [torch.empty(self._local(p).shape, dtype=torch.float32) for p in self.params]
         for sg in self.subgroups:
-            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+            for piece, values in self._master_views(sg, self._read_rows(sg)):
                 masters[piece.param].view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
                     values
                 )
@@ -188,6 +235,7 @@ class SavedState(torch.optim.Optimizer):
             "subgroups": [sg.numel for sg in self.subgroups],
             "own_masters": self._own_masters,
             "param_groups": self._saved_groups(),
+            "state_precision": dataclasses.asdict(self.precision),
             **self._snapshot_metadata(),
         }
         export_hdf5(self.store, path, [self.stager.key(sg.index) for sg in self.subgroups], metadata)
@@ -214,6 +262,7 @@ class SavedState(torch.optim.Optimizer):
             metadata = snapshot.metadata
             if metadata.get("subgroups") != [sg.numel for sg in self.subgroups]:
                 raise BufferMismatchError(f"{path}: its sub-groups differ from this optimizer's")
+            self._check_precision_of(metadata.get("state_precision", {}), str(path))
             # A snapshot without the entry holds master weights for every parameter.
             check_own_masters(
                 metadata.get("own_masters", [False] * len(self.params)), self._own_masters, path
@@ -247,7 +296,7 @@ class SavedState(torch.optim.Optimizer):
         self.skipped_steps = int(metadata["skipped_steps"])
         self._restore_snapshot_metadata(path, metadata)
         for sg in self.subgroups:  # the model follows the restored master weights
-            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+            for piece, values in self._master_views(sg, self._read_rows(sg)):
                 if not self._own_masters[piece.param]:
                     self._copy_to_model(piece, values)
 
@@ -273,10 +322,128 @@ class SavedState(torch.optim.Optimizer):
 
     def _write_all(self, saved: dict[Any, Any] | None, subgroups: list[SubGroup] | None = None) -> None:
         """Write the state of ``subgroups`` (default: every sub-group), from ``saved`` or fresh, to
-        the store."""
+        the store, in :attr:`precision`."""
         for sg in self.subgroups if subgroups is None else subgroups:
-            self.stager.write(sg.index, self.state_numel(sg), functools.partial(self._fill, sg, saved=saved))
+            fill = functools.partial(self._fill, saved=saved)
+            packed = functools.partial(self._in_precision, sg, work=fill, unpack=False)
+            self.stager.write(sg.index, self._stored_numel(sg), packed)
         self.stager.wait_writes()
+
+    # -- the stored format --------------------------------------------------------------------------
+
+    def _set_precision(self, value: object) -> None:
+        """Take ``value`` (``state_precision``) as :attr:`precision`, before anything is staged.
+
+        Raises:
+            ConfigError: not a format, or a compressed one for an optimizer that stores fp32 only.
+        """
+        self.precision = state_precision(value)
+        if self.precision.compressed and self.COMPRESSED_STATE is not None:
+            raise ConfigError(
+                f"state_precision: {type(self).__name__} stores its state in fp32 only "
+                f"({self.COMPRESSED_STATE}); use 'fp32'"
+            )
+
+    def _packed_layout(self, sg: SubGroup) -> PackedLayout:
+        """The sub-group's packed layout in :attr:`precision`."""
+        return PackedLayout(tuple(kind for _, kind in self._row_parts(sg)), sg.numel, self.precision)
+
+    def _stored_numel(self, sg: SubGroup) -> int:
+        """fp32 words of the sub-group's stored object: its state in :attr:`precision`."""
+        return self._packed_layout(sg).words if self.precision.compressed else self.state_numel(sg)
+
+    def _scratch_numel(self, subgroups: list[SubGroup]) -> int:
+        """fp32 values of the buffer a compressed sub-group of ``subgroups`` is unpacked into (0
+        for fp32 state, updated where it is staged)."""
+        if not self.precision.compressed:
+            return 0
+        return max((self.state_numel(sg) for sg in subgroups), default=0)
+
+    def _in_precision(
+        self,
+        sg: SubGroup,
+        stored: torch.Tensor,
+        work: Callable[..., object],
+        *args: Any,
+        unpack: bool = True,
+    ) -> None:
+        """Run ``work(sg, state, *args)`` on the sub-group's fp32 state: ``stored`` itself in fp32,
+        else unpacked into a buffer on its device (not unpacked for ``work`` that writes all of
+        it: ``unpack`` False) and packed back into ``stored`` afterwards."""
+        if not self.precision.compressed:
+            work(sg, stored, *args)
+            return
+        numel = self.state_numel(sg)
+        if stored.device.type == "cpu" and self.device is None:
+            if self._scratch.numel() < numel:
+                self._scratch = aligned_tensor(self._scratch_numel(self.subgroups))
+            rows = self._scratch[:numel]
+        else:  # the device path's: memory of the caller's stream
+            rows = torch.empty(numel, dtype=torch.float32, device=stored.device)
+        layout = self._packed_layout(sg)
+        windows = self._compensated_windows(sg)
+        if unpack:
+            layout.decode(stored, rows, windows)
+        work(sg, rows, *args)
+        layout.encode(rows, stored, [(offset, window.numel(), window.dtype) for offset, window in windows])
+
+    def _compensated_windows(self, sg: SubGroup) -> list[tuple[int, torch.Tensor]]:
+        """The sub-group's low-precision pieces (offset and parameter elements): where a
+        compensated master is the parameter plus its compensation."""
+        return [
+            (piece.offset, self._window(piece)) for piece in sg.pieces if not self._own_masters[piece.param]
+        ]
+
+    def _read_rows(self, sg: SubGroup) -> torch.Tensor:
+        """The sub-group's fp32 state (read from DRAM or the store; unpacked into new host memory
+        in a compressed :attr:`precision`)."""
+        stored = self.stager.read(sg.index)
+        if not self.precision.compressed:
+            return stored
+        rows = torch.empty(self.state_numel(sg), dtype=torch.float32)
+        self._packed_layout(sg).decode(stored, rows, [(o, w.cpu()) for o, w in self._compensated_windows(sg)])
+        return rows
+
+    def _packed_state(self) -> dict[str, Any]:
+        """The stored bytes of every sub-group and what :func:`fp32_state_dict` needs to unpack
+        them: the precision and each sub-group's rows and pieces."""
+        subgroups = []
+        for sg in self.subgroups:
+            stored = self.stager.read(sg.index)[: self._stored_numel(sg)]
+            subgroups.append(
+                {
+                    "numel": sg.numel,
+                    "rows": [list(part) for part in self._row_parts(sg)],
+                    "pieces": [[p.param, p.param_offset, p.offset, p.length] for p in sg.pieces],
+                    "data": stored.view(torch.uint8).cpu().clone(),
+                }
+            )
+        return {"precision": dataclasses.asdict(self.precision), "subgroups": subgroups}
+
+    def _check_precision_of(self, saved: dict[str, Any], source: str) -> None:
+        """A :class:`BufferMismatchError` if ``saved`` (a precision as a dict; empty for fp32) is
+        not :attr:`precision`."""
+        theirs = StatePrecision(**saved)
+        if theirs != self.precision:
+            raise BufferMismatchError(
+                f"{source}: the state is stored in state_precision {theirs.name!r}, this optimizer's in "
+                f"{self.precision.name!r}: load it into an optimizer of its precision, or convert it to "
+                "fp32 first (tierstore.optimizer.state_precision.fp32_state_dict)"
+            )
+
+    def _check_packed(self, packed: dict[str, Any]) -> None:
+        """Refuse a state dict's ``packed_state`` of another precision or other sub-groups."""
+        self._check_precision_of(packed["precision"], "the state dict")
+        theirs = [(sg["numel"], [tuple(p) for p in sg["pieces"]]) for sg in packed["subgroups"]]
+        mine = [
+            (sg.numel, [(p.param, p.param_offset, p.offset, p.length) for p in sg.pieces])
+            for sg in self.subgroups
+        ]
+        if theirs != mine:
+            raise BufferMismatchError(
+                "the state dict's packed_state is cut into other sub-groups than this optimizer's (another "
+                "sub_group_size or other parameters)"
+            )
 
     def _snapshot_metadata(self) -> dict[str, Any]:
         """Optimizer-specific metadata a snapshot carries (JSON-serialisable)."""
@@ -338,7 +505,12 @@ class SavedState(torch.optim.Optimizer):
         for sg in self.subgroups:
             if all(self._own_masters[piece.param] for piece in sg.pieces):
                 continue  # no master weights in its state: nothing to read
-            for piece, values in self._master_views(sg, self.stager.read(sg.index)):
+            for piece, values in self._master_views(sg, self._read_rows(sg)):
                 if not self._own_masters[piece.param] and not rounds_from(values, self._window(piece)):
                     stale.add(piece.param)
         return sorted(stale)
+
+
+def _copy_bytes(data: torch.Tensor, out: torch.Tensor) -> None:
+    """``data`` (bytes) into the start of ``out``."""
+    out.view(torch.uint8)[: data.numel()].copy_(data)

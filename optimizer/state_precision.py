@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -332,3 +332,46 @@ def bytes_per_element(kinds: Sequence[RowKind], precision: StatePrecision) -> fl
         fmt = precision.master if kind == "master" else precision.moments
         total += _WIDTHS[fmt] + (4 / BLOCK if fmt == "int8" else 0)
     return total
+
+
+def fp32_state_dict(state_dict: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """A compressed offloaded optimizer's state dict in torch's fp32 format, which
+    ``torch.optim.AdamW`` (and an offloaded AdamW of any precision) loads: each parameter's moments
+    dequantised, and a low-precision parameter's ``master_param`` (its fp32 master weights, or the
+    parameter plus its compensation).
+
+    Args:
+        state_dict: a ``state_dict()`` with ``packed_state`` (one without is returned as it is).
+        params: the optimizer's parameters, in its order (its groups' in turn), holding the
+            weights the state belongs to: their shapes place the state, and a compensated master
+            is the parameter plus its compensation.
+
+    Returns:
+        A new state dict without ``packed_state``; its groups and counts are the given dict's.
+    """
+    packed = state_dict.get("packed_state")
+    if packed is None:
+        return state_dict
+    precision = StatePrecision(**packed["precision"])
+    state: dict[Any, dict[str, Any]] = {key: dict(entry) for key, entry in state_dict["state"].items()}
+    for saved in packed["subgroups"]:
+        names = [name for name, _ in saved["rows"]]
+        layout = PackedLayout(tuple(kind for _, kind in saved["rows"]), saved["numel"], precision)
+        words = torch.empty(layout.words, dtype=torch.float32)
+        words.view(torch.uint8)[: saved["data"].numel()].copy_(saved["data"])
+        pieces = [tuple(piece) for piece in saved["pieces"]]
+        windows = [
+            (offset, params[param].detach().reshape(-1)[start : start + length].cpu())
+            for param, start, offset, length in pieces
+            if params[param].dtype != torch.float32
+        ]
+        rows = torch.empty(len(names), layout.numel, dtype=torch.float32)
+        layout.decode(words, rows, windows)
+        for name, row in zip(names, rows, strict=True):
+            for param, start, offset, length in pieces:
+                if name == "master_param" and params[param].dtype == torch.float32:
+                    continue  # its own master
+                entry = state.setdefault(param, {})
+                whole = entry.setdefault(name, torch.zeros(params[param].shape, dtype=torch.float32))
+                whole.view(-1)[start : start + length].copy_(row[offset : offset + length])
+    return {**{k: v for k, v in state_dict.items() if k != "packed_state"}, "state": state}

@@ -1,0 +1,208 @@
+"""Offloaded AdamW with compressed state: the stored bytes, state dicts and snapshots carried
+exactly, resume bit for bit, conversion to torch's fp32 state, and the refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO
+from tierstore.optimizer.device import DeviceStager
+from tierstore.optimizer.state_precision import PRESETS, fp32_state_dict
+
+from tierstore import BufferMismatchError, ConfigError, TierStore
+
+from .helpers import make_store
+from .test_device_optimizer import ShuffledDevice
+
+SHAPES = [(37, 29), (300,), (5, 7, 11)]
+"""Sizes off every block and alignment, cut by 500-element sub-groups."""
+
+
+def model(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in SHAPES]
+
+
+def train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int, seed: int) -> None:
+    """``steps`` steps of gradients drawn from ``seed`` (the same gradients for the same seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+        optimizer.step()
+
+
+def adamw(store: TierStore, params: Sequence[torch.Tensor], precision: str, **options: Any) -> OffloadedAdamW:
+    return OffloadedAdamW(
+        params, store, lr=1e-2, weight_decay=0.1, sub_group_size=500, state_precision=precision, **options
+    )
+
+
+def stored_bytes(optimizer: OffloadedAdamW) -> int:
+    return sum(4 * optimizer._stored_numel(sg) for sg in optimizer.subgroups)
+
+
+@pytest.mark.parametrize("precision", list(PRESETS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_state_dicts_resume_bit_for_bit(tmp_path: Path, precision: str, dtype: torch.dtype) -> None:
+    """6 steps straight through against 3 steps, a state dict loaded into a new optimizer, 3 more:
+    the same weights, the same stored bytes; the dict loads what was saved, byte for byte."""
+    with make_store(tmp_path, "nvme") as store:
+        straight = model(dtype)
+        optimizer = adamw(store, straight, precision, namespace="straight")
+        train(optimizer, straight, 3, seed=1)
+        saved = optimizer.state_dict()
+        weights = [p.detach().clone() for p in straight]
+        train(optimizer, straight, 3, seed=2)
+        resumed = [torch.nn.Parameter(w.clone()) for w in weights]
+        second = adamw(store, resumed, precision, namespace="second")
+        second.load_state_dict(saved)
+        if precision != "fp32":
+            again = second.state_dict()["packed_state"]["subgroups"]
+            for mine, theirs in zip(again, saved["packed_state"]["subgroups"], strict=True):
+                assert torch.equal(mine["data"], theirs["data"])
+        train(second, resumed, 3, seed=2)
+        for ours, theirs in zip(resumed, straight, strict=True):
+            assert torch.equal(ours, theirs)
+        for sg in optimizer.subgroups:
+            loaded, kept = second.stager.read(sg.index), optimizer.stager.read(sg.index)
+            assert torch.equal(loaded.view(torch.int32), kept.view(torch.int32))  # packed bytes, not floats
+
+
+def test_stored_bytes_per_parameter(tmp_path: Path) -> None:
+    """bf16 parameters: 12 -> 8 -> 6 -> 4 bytes per element (and the block maxima, alignment);
+    fp32 ones: 8 -> 4 -> 2."""
+    numel = sum(torch.Size(shape).numel() for shape in SHAPES)
+    expected = {
+        torch.bfloat16: {"fp32": 12, "bf16": 8, "int8": 6, "int8-compensated": 4},
+        torch.float32: {"fp32": 8, "bf16": 4, "int8": 2, "int8-compensated": 2},
+    }
+    with make_store(tmp_path, "dram") as store:
+        for dtype, sizes in expected.items():
+            for precision, width in sizes.items():
+                params = model(dtype)
+                optimizer = adamw(
+                    store, params, precision, namespace=f"{precision}-{dtype}".replace(".", "_")
+                )
+                blocks = 2 * 4 * (numel // 256 + len(optimizer.subgroups)) if "int8" in precision else 0
+                slack = 2 * 3 * 64 * len(optimizer.subgroups) + blocks  # block maxima and alignment
+                assert width * numel <= stored_bytes(optimizer) <= width * numel + slack
+                optimizer.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int8-compensated"])
+def test_a_compressed_state_converts_to_torchs_adamw(tmp_path: Path, precision: str) -> None:
+    """fp32_state_dict: torch's fused AdamW loads it and takes the same next step as an offloaded
+    fp32 AdamW loading it; the moments are the dequantised ones."""
+    with make_store(tmp_path, "dram") as store:
+        params = model(torch.float32)
+        optimizer = adamw(store, params, precision)
+        train(optimizer, params, 3, seed=1)
+        converted = fp32_state_dict(optimizer.state_dict(), params)
+        assert "packed_state" not in converted
+        assert set(converted["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+        twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        reference = torch.optim.AdamW(twin, lr=1e-2, weight_decay=0.1, fused=True)
+        reference.load_state_dict(converted)
+        fp32 = adamw(store, params, "fp32", namespace="fp32")
+        fp32.load_state_dict(converted)
+        train(reference, twin, 1, seed=2)
+        train(fp32, params, 1, seed=2)
+        for ours, theirs in zip(params, twin, strict=True):
+            assert torch.equal(ours, theirs)
+
+
+def test_compensated_master_converts_to_param_plus_compensation(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        params = model(torch.bfloat16)
+        optimizer = OffloadedAdamW(
+            params, store, lr=1e-4, sub_group_size=500, state_precision="int8-compensated"
+        )
+        train(optimizer, params, 3, seed=1)
+        converted = fp32_state_dict(optimizer.state_dict(), params)
+        for number, param in enumerate(params):
+            master = converted["state"][number]["master_param"]
+            assert torch.equal(master.to(torch.bfloat16), param.detach())
+            assert torch.equal(master, optimizer.master_params()[number])
+        fp32 = adamw(store, params, "fp32", namespace="fp32")
+        fp32.load_state_dict(converted)  # the parameters round from the masters: not stale
+
+
+def test_snapshots_carry_the_compressed_state_and_refuse_another_precision(tmp_path: Path) -> None:
+    with make_store(tmp_path, "nvme") as store:
+        params = model(torch.bfloat16)
+        optimizer = adamw(store, params, "int8-compensated")
+        train(optimizer, params, 2, seed=1)
+        optimizer.save_snapshot(tmp_path / "snapshot.h5")
+        before = [optimizer.stager.read(sg.index).clone() for sg in optimizer.subgroups]
+        weights = [p.detach().clone() for p in params]
+        train(optimizer, params, 2, seed=2)
+        with torch.no_grad():
+            for param, saved in zip(params, weights, strict=True):
+                param.copy_(saved)
+        optimizer.load_snapshot(tmp_path / "snapshot.h5")
+        for sg, saved in zip(optimizer.subgroups, before, strict=True):
+            assert torch.equal(optimizer.stager.read(sg.index).view(torch.int32), saved.view(torch.int32))
+        optimizer.close()
+        other = adamw(store, params, "int8")
+        with pytest.raises(BufferMismatchError, match="state_precision 'int8-compensated'"):
+            other.load_snapshot(tmp_path / "snapshot.h5")
+
+
+def test_a_state_dict_of_another_precision_is_refused(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        params = model(torch.bfloat16)
+        int8 = adamw(store, params, "int8", namespace="int8")
+        saved = int8.state_dict()
+        for precision in ("fp32", "bf16"):
+            other = adamw(store, params, precision, namespace=precision)
+            with pytest.raises(BufferMismatchError, match="fp32_state_dict"):
+                other.load_state_dict(saved)
+            other.load_state_dict(fp32_state_dict(saved, params))  # converted explicitly
+            other.close()
+
+
+def test_bad_precisions_and_fp32_only_optimizers_are_refused(tmp_path: Path) -> None:
+    with make_store(tmp_path, "dram") as store:
+        for bad in ("int4", 8, {"moments": "fp8"}):
+            with pytest.raises(ConfigError, match=r"^state_precision: "):
+                adamw(store, model(torch.float32), bad)  # type: ignore[arg-type]
+        with pytest.raises(
+            ConfigError, match=r"^state_precision: OffloadedAPOLLO stores its state in fp32 only"
+        ):
+            OffloadedAPOLLO(model(torch.float32), store, state_precision="int8")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8-compensated"])
+@pytest.mark.parametrize("budgets", [{}, {"gpu_budget": "1MiB"}], ids=["streamed", "kept on the device"])
+def test_the_device_path_runs_the_same_kernels(
+    tmp_path: Path, precision: str, budgets: dict[str, Any]
+) -> None:
+    """On a simulated device (its streams run in a random order the events allow) a compressed
+    state trains to the bits of the CPU path's, state dicts included."""
+    device = ShuffledDevice(1)
+    with make_store(tmp_path, "dram") as device_store, make_store(tmp_path, "dram") as host_store:
+        device_store._operations.device.runtime = device
+        in_host = model(torch.bfloat16)
+        on_device = [device.tensor(p.detach().clone()).requires_grad_() for p in in_host]
+        ours = adamw(device_store, on_device, precision, **budgets)
+        theirs = adamw(host_store, in_host, precision)
+        for step in range(4):
+            for optimizer, params in ((ours, on_device), (theirs, in_host)):
+                generator = torch.Generator().manual_seed(step)
+                for param in params:
+                    grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+                    param.grad = device.tensor(grad) if params is on_device else grad
+                optimizer.step()
+            device.run_all()
+        for mine, reference in zip(on_device, in_host, strict=True):
+            assert torch.equal(mine.detach().as_subclass(torch.Tensor), reference.detach())
+        saved, expected = ours.state_dict()["packed_state"], theirs.state_dict()["packed_state"]
+        for mine_sg, reference_sg in zip(saved["subgroups"], expected["subgroups"], strict=True):
+            assert torch.equal(mine_sg["data"], reference_sg["data"])
+        assert isinstance(ours.stager, DeviceStager)
+        assert ours.device_staging_bytes > ours.stager.slot_device_bytes  # the unpacked sub-group
