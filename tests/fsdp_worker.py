@@ -233,6 +233,9 @@ def setup_errors() -> dict[str, list[str]]:
         "mixed_dtypes": lambda: fsdp.FSDPOffloadedAdamW(
             [next(sharded.parameters()), bf16_layer().weight], store
         ),
+        "compressed_state": lambda: fsdp.FSDPOffloadedAdamW(
+            sharded.parameters(), store, state_precision="int8"
+        ),
     }
     found: dict[str, list[str]] = {}
     for name, make in cases.items():

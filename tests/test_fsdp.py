@@ -221,6 +221,10 @@ def test_bad_setups_raise_typed_errors_naming_the_problem(scratch: Path) -> None
         "no_dtensor": ("FSDPSetupError", "not sharded"),
         "column_sharded": ("FSDPSetupError", "dimension other than 0"),
         "mixed_dtypes": ("FSDPSetupError", "mix fp32 and low-precision"),
+        "compressed_state": (
+            "ConfigError",
+            "state_precision: FSDPOffloadedAdamW stores its state in fp32 only",
+        ),
     }
     for case, (error, words) in expected.items():
         assert found[case][0] == error, (case, found[case])

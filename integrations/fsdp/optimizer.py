@@ -127,6 +127,10 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
     """
 
     SHARDED_PARAMETERS = None
+    COMPRESSED_STATE = (
+        "DCP checkpoints hold each parameter's state as fp32 shards, streamed from the stored rows; "
+        "packed blocks cut at sub-group boundaries have no per-parameter shard"
+    )
 
     def __init__(
         self,
