@@ -377,7 +377,6 @@ PYTHON_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
         "memory_budget",
         lambda v, _: TierStore([DramBackend(DramOptions())], cache_budget=0, memory_budget=v).close(),
     ),
-    "Tier capacity": ("capacity", lambda v, _: Tier("a", DramBackend(DramOptions()), capacity=v).close()),
     "TierStore.staging budget": ("owner: budget", on_a_store(lambda store, v: store.staging("owner", v))),
     "TierStore.staging pool_bytes": (
         "pool_bytes",
@@ -462,12 +461,17 @@ config's section), by the option model's field that defines it."""
 
 KEYWORD_SIZES: dict[str, tuple[str, Callable[[Any, Path], object]]] = {
     # the option's definition (model.field): (the argument the error names, a check through it)
+    "TierOptions.capacity": (
+        "capacity",
+        lambda v, _: Tier("a", DramBackend(DramOptions()), capacity=v).close(),
+    ),
     "OptimizerOptions.gpu_budget": (
         "gpu_budget",
         lambda v, _: optimizer_options("OffloadedAdamW", {"gpu_budget": v}),
     ),
 }
-"""Every size in bytes defined for keyword arguments only (no document takes it), checked through
+"""Every size in bytes of a model checking keyword arguments (an option no document takes, or a
+document's option taken from Python by a class of its own, as Tier's capacity), checked through
 its definition as the class taking it checks it."""
 
 OPTIONAL_PACKAGES = {"ZarrOptions": "zarr", "Adios2Options": "adios2"}

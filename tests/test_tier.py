@@ -1,8 +1,10 @@
 """Virtual tiers: objects striped or placed across several paths, through the whole store."""
 
+import inspect
 import random
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -12,8 +14,10 @@ from tierstore.backends import open_backend
 from tierstore.backends.dram import DramBackend, DramOptions
 
 from tierstore import BackendIOError, CapacityError, ConfigError, Tier, TierStore
+from tierstore._checks import ConfigModel
 from tierstore.bandwidth import Bandwidth, InFlight, PathSpeed, ThroughputMeter
-from tierstore.limits import Priority
+from tierstore.config import PathConfig, PathOptions, TierConfig, TierOptions
+from tierstore.limits import NodeLimiter, PathScheduler, Priority
 from tierstore.pass_plan import transfer_seconds
 from tierstore.tier import TierPath
 
@@ -269,17 +273,64 @@ def test_timeline_accounts_for_every_byte() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"capacity": True}, r"capacity must be a number of bytes >= 0 \(.*\), not True"),
-        ({"capacity": -1}, r"capacity must be a number of bytes >= 0 \(.*\), not -1"),
-        ({"stripe_by": "latency"}, r"stripe_by must be 'round-trip', 'write' or 'read', not 'latency'"),
-        ({"paths": ["dram://"]}, r"paths\.0 must be a TierPath or a Backend, not str"),
-        ({"paths": "dram://"}, r"paths\.0 must be a TierPath or a Backend, not str"),
+        ({"capacity": True}, r"capacity: must be None or a number of bytes >= 0, not True"),
+        ({"capacity": -1}, r"capacity: must be a number of bytes >= 0 \(.*\), not -1"),
+        ({"placement": "spread"}, r"placement: must be 'stripe' or 'place', not 'spread'"),
+        ({"stripe_by": "latency"}, r"stripe_by: must be 'round-trip', 'write' or 'read', not 'latency'"),
+        ({"checksums": 1}, r"checksums: must be a boolean, not 1"),
+        ({"paths": ["dram://"]}, r"paths\.0: must be a TierPath or a Backend, not str"),
+        ({"paths": "dram://"}, r"paths\.0: must be a TierPath or a Backend, not str"),
     ],
 )
 def test_bad_tier_arguments_are_config_errors(options: dict[str, object], message: str) -> None:
     arguments: dict[str, object] = {"paths": [DramBackend(DramOptions())], **options}
-    with pytest.raises(ConfigError, match=rf"tier 't': {message}"):
+    with pytest.raises(ConfigError, match=rf"^tier 't': {message}"):
         Tier("t", **arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_reads": 0}, r"max_reads: must be an integer from 1 to 1024, not 0"),
+        ({"max_reads": "4"}, r"max_reads: must be an integer from 1 to 1024, not '4'"),
+        ({"max_writes": 2000}, r"max_writes: must be an integer from 1 to 1024, not 2000"),
+        ({"max_writes": True}, r"max_writes: must be an integer from 1 to 1024, not True"),
+        ({"adapt": "no"}, r"adapt: must be a boolean, not 'no'"),
+        ({"backend": "dram://"}, r"backend: must be a Backend, not str"),
+        ({"bandwidth": (1e9, 1e9)}, r"bandwidth: must be None or a Bandwidth, not \(1000000000\.0, "),
+    ],
+)
+def test_bad_path_arguments_are_config_errors(options: dict[str, object], message: str) -> None:
+    """As a document's path with the same option is refused, naming the argument."""
+    arguments: dict[str, object] = {"backend": DramBackend(DramOptions()), **options}
+    with pytest.raises(ConfigError, match=rf"^path 'p': {message}"):
+        TierPath("p", **arguments)  # type: ignore[arg-type]
+
+
+def test_a_scheduler_s_bad_limit_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^path 'p': max_reads: must be an integer from 1 to 1024, not 0$"):
+        PathScheduler("p", max_reads=0)
+    with pytest.raises(ConfigError, match=r"^slots: must be an integer >= 1, not 0$"):
+        NodeLimiter("shared", 0, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("function", "options", "definitions"),
+    [
+        (Tier, TierOptions.model_fields.keys(), (TierConfig, TierOptions)),
+        (TierPath, PathOptions.model_fields.keys(), (PathConfig, TierConfig)),
+        (PathScheduler, {"max_reads", "max_writes"}, (PathConfig,)),
+    ],
+)
+def test_tier_and_path_options_default_as_their_definitions(
+    function: Callable[..., object], options: Iterable[str], definitions: tuple[type[ConfigModel], ...]
+) -> None:
+    """Each option a tier or a path takes from Python has the default of its one definition, the
+    configuration document's field (or, for what no document takes, its options model's)."""
+    parameters = inspect.signature(function).parameters
+    for name in options:
+        definition = next(model.model_fields[name] for model in definitions if name in model.model_fields)
+        assert parameters[name].default == definition.default, name
 
 
 class _Clock:

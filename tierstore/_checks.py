@@ -11,7 +11,8 @@ option validates through that field:
   option's type (an integer, not ``"4"`` nor ``2.0``), and an error is a
   :class:`~tierstore.errors.ConfigError` ``"<argument>: must be <requirement>, not <value>"``;
 * another model taking the same option (the DeepSpeed section's ``workers``), with
-  :func:`defined_in`;
+  :func:`defined_in`; a signature taking it as a keyword argument gets its default with
+  :func:`default_of`;
 * the configuration reference (:mod:`tierstore.app.reference`), written from the same fields.
 
 Either way a bool is refused where a number belongs: Python and pydantic read ``True`` as 1, so
@@ -126,6 +127,13 @@ def defined_in(model: type[BaseModel], name: str) -> Any:
     option: ``workers: int = defined_in(StoreOptions, "workers")`` (type, default, constraints
     and description come from the one definition)."""
     return model.model_fields[name]
+
+
+def default_of(model: type[BaseModel], name: str) -> Any:
+    """The default of option ``name`` in ``model``, for a signature that takes the option as a
+    keyword argument: ``max_reads: int = default_of(PathConfig, "max_reads")`` (the one
+    definition's default, never restated)."""
+    return model.model_fields[name].get_default(call_default_factory=True)
 
 
 def check_arguments(

@@ -38,7 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-from ._checks import SIZE_REQUIREMENT, ConfigModel, byte_count, check_arguments
+from ._checks import SIZE_REQUIREMENT, ConfigModel, byte_count, check_arguments, defined_in
 from .errors import ConfigError, config_error_from_validation
 
 
@@ -160,6 +160,28 @@ class TierConfig(ConfigModel):
             return self.paths
         assert self.backend is not None
         return [PathConfig(backend=self.backend)]
+
+
+class TierOptions(ConfigModel):
+    """The options a :class:`~tierstore.tier.Tier` takes from Python, checked through this model:
+    those of a document's tier, defined by :class:`TierConfig`'s fields, and ``checksums``."""
+
+    capacity: ByteSize | None = defined_in(TierConfig, "capacity")
+    placement: PlacementPolicy = defined_in(TierConfig, "placement")
+    stripe_by: StripeBy = defined_in(TierConfig, "stripe_by")
+    checksums: bool = True
+    """Checksum every extent written, so reads can verify it (a document's tiers always do)."""
+
+
+class PathOptions(ConfigModel):
+    """The options a :class:`~tierstore.tier_path.TierPath` (and its
+    :class:`~tierstore.limits.PathScheduler`) takes from Python, checked through this model and
+    defined by the document's fields: a path's limits (:class:`PathConfig`) and whether its
+    bandwidth estimate follows its traffic (a tier's ``adapt``, :class:`TierConfig`)."""
+
+    max_reads: int = defined_in(PathConfig, "max_reads")
+    max_writes: int = defined_in(PathConfig, "max_writes")
+    adapt: bool = defined_in(TierConfig, "adapt")
 
 
 class StoreOptions(ConfigModel):

@@ -24,8 +24,10 @@ from typing import Literal
 
 from filelock import FileLock, Timeout
 
+from ._checks import check_arguments, default_of, is_integer
 from .bandwidth import InFlight, ThroughputMeter
-from .errors import StoreClosedError
+from .config import PathOptions
+from .errors import ConfigError, StoreClosedError
 
 Direction = Literal["read", "write"]
 DEFAULT_LIMIT_DIR = Path("/dev/shm/tierstore-limits") if Path("/dev/shm").is_dir() else None
@@ -50,8 +52,8 @@ class NodeLimiter:
     """
 
     def __init__(self, key: str, slots: int, directory: Path | None = None) -> None:
-        if slots < 1:
-            raise ValueError(f"a node limiter needs at least one slot, got {slots}")
+        if not is_integer(slots) or slots < 1:
+            raise ConfigError(f"slots: must be an integer >= 1, not {slots!r}")
         base = directory or DEFAULT_LIMIT_DIR or Path.home() / ".cache" / "tierstore" / "limits"
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.key = key
@@ -116,19 +118,34 @@ class PathTelemetry:
 
 
 class PathScheduler:
-    """Runs one path's requests under its limits (one dispatcher thread per path)."""
+    """Runs one path's requests under its limits (one dispatcher thread per path).
+
+    Args:
+        name: the path's name (the dispatcher thread's and the telemetry's).
+        max_reads: read requests in flight at once.
+        max_writes: write requests in flight at once.
+        node_limits: per direction, a slot shared with the node's other processes per request.
+        meters: per direction, the path's throughput meters; new ones sharing one in-flight count
+            by default.
+
+    Raises:
+        ConfigError: ``max_reads`` or ``max_writes`` outside their definition
+            (:class:`~tierstore.config.PathOptions`), named as in ``"path 'p': max_reads: must be
+            ..., not ..."``.
+    """
 
     def __init__(
         self,
         name: str,
         *,
-        max_reads: int = 4,
-        max_writes: int = 4,
+        max_reads: int = default_of(PathOptions, "max_reads"),
+        max_writes: int = default_of(PathOptions, "max_writes"),
         node_limits: dict[Direction, NodeLimiter] | None = None,
         meters: dict[Direction, ThroughputMeter] | None = None,
     ) -> None:
-        if max_reads < 1 or max_writes < 1:
-            raise ValueError("max_reads and max_writes must be >= 1")
+        check_arguments(
+            PathOptions, {"max_reads": max_reads, "max_writes": max_writes}, where=f"path {name!r}: "
+        )
         self.name = name
         self.limits: dict[Direction, int] = {"read": max_reads, "write": max_writes}
         self.node_limits = node_limits or {}

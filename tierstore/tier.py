@@ -20,16 +20,16 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any
 
 import xxhash
 
 from . import placement as planner
-from ._checks import SIZE_REQUIREMENT, byte_count, choices
+from ._checks import check_arguments, default_of
 from ._futures import when_all, with_failover
 from .backends import Backend, Location
 from .bandwidth import ProbeCache, stripe_weight
-from .config import PlacementPolicy, StripeBy, TierConfig
+from .config import PlacementPolicy, StripeBy, TierConfig, TierOptions
 from .errors import (
     BackendIOError,
     CapacityError,
@@ -105,39 +105,37 @@ class Tier:
             and read back, as an optimizer's state is), ``"write"`` or ``"read"``.
         checksums: checksum every extent written, so reads can verify it.
 
+    Each option is defined once, by the configuration document's tier
+    (:class:`~tierstore.config.TierOptions`): the same default and the same check.
+
     Raises:
-        ConfigError: no path, two paths on one medium, or an invalid argument (named).
+        ConfigError: no path, two paths on one medium, or an invalid argument, named as in
+            ``"tier 't': capacity: must be ..., not ..."``.
     """
 
     def __init__(
         self,
         name: str,
         paths: Sequence[TierPath | Backend] | Backend,
-        capacity: int | str | None = None,
+        capacity: int | str | None = default_of(TierOptions, "capacity"),
         *,
-        placement: PlacementPolicy = "stripe",
-        stripe_by: StripeBy = "round-trip",
-        checksums: bool = True,
+        placement: PlacementPolicy = default_of(TierOptions, "placement"),
+        stripe_by: StripeBy = default_of(TierOptions, "stripe_by"),
+        checksums: bool = default_of(TierOptions, "checksums"),
     ) -> None:
         if isinstance(paths, Backend):
             paths = [paths]
         if not paths:
             raise ConfigError(f"tier {name!r} needs at least one path")
-        for option, value, allowed in (
-            ("placement", placement, PlacementPolicy),
-            ("stripe_by", stripe_by, StripeBy),
-        ):
-            if value not in get_args(allowed):
-                raise ConfigError(f"tier {name!r}: {option} must be {choices(allowed)}, not {value!r}")
-        if capacity is not None:
-            count = byte_count(capacity)
-            if count is None:
-                raise ConfigError(f"tier {name!r}: capacity must be {SIZE_REQUIREMENT}, not {capacity!r}")
-            capacity = count
+        options = check_arguments(
+            TierOptions,
+            {"capacity": capacity, "placement": placement, "stripe_by": stripe_by, "checksums": checksums},
+            where=f"tier {name!r}: ",
+        )
         for index, path in enumerate(paths):
             if not isinstance(path, (TierPath, Backend)):
                 raise ConfigError(
-                    f"tier {name!r}: paths.{index} must be a TierPath or a Backend, not "
+                    f"tier {name!r}: paths.{index}: must be a TierPath or a Backend, not "
                     f"{type(path).__name__} (Tier.from_config opens backends from URLs)"
                 )
         self.name = name
@@ -146,13 +144,13 @@ class Tier:
             for index, path in enumerate(paths)
         ]
         check_distinct_locations([self])
-        self.placement = placement
-        self.stripe_by = stripe_by
-        self.capacity = capacity
+        self.placement = options.placement
+        self.stripe_by = options.stripe_by
+        self.capacity = None if options.capacity is None else int(options.capacity)
         self.used_bytes = 0
         self.bytes_written = 0
         self.bytes_read = 0
-        self.checksums = checksums
+        self.checksums = options.checksums
         """Checksum every extent written (verification on read is the store's choice)."""
         self.failed_paths: set[int] = set()
         """Paths excluded from new objects after an I/O error."""

@@ -15,10 +15,11 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
+from ._checks import check_arguments, default_of
 from .backends import Backend, open_backend
 from .bandwidth import Bandwidth, InFlight, ProbeCache, ThroughputMeter, probe
-from .config import PathConfig, TierConfig
-from .errors import BackendIOError, KeyNotFoundError, MissingDataError
+from .config import PathConfig, PathOptions, TierConfig
+from .errors import BackendIOError, ConfigError, KeyNotFoundError, MissingDataError
 from .limits import Direction, NodeLimiter, PathScheduler, Priority
 
 _log = logging.getLogger("tierstore")
@@ -38,6 +39,13 @@ class TierPath:
             same medium (a parallel file system's client); none by default.
         adapt: re-estimate the bandwidth from observed throughput, so stripes follow a path
             that slows down; False keeps ``bandwidth`` fixed.
+
+    ``max_reads``, ``max_writes`` and ``adapt`` are defined once, by the configuration document's
+    path and tier (:class:`~tierstore.config.PathOptions`): the same defaults and the same checks.
+
+    Raises:
+        ConfigError: an invalid argument, named as in ``"path 'p': max_reads: must be ..., not
+            ..."``.
     """
 
     def __init__(
@@ -46,14 +54,25 @@ class TierPath:
         backend: Backend,
         *,
         bandwidth: Bandwidth | None = None,
-        max_reads: int = 4,
-        max_writes: int = 4,
+        max_reads: int = default_of(PathOptions, "max_reads"),
+        max_writes: int = default_of(PathOptions, "max_writes"),
         node_limits: dict[Direction, NodeLimiter] | None = None,
-        adapt: bool = True,
+        adapt: bool = default_of(PathOptions, "adapt"),
     ) -> None:
+        where = f"path {name!r}: "
+        options = check_arguments(
+            PathOptions, {"max_reads": max_reads, "max_writes": max_writes, "adapt": adapt}, where=where
+        )
+        if not isinstance(backend, Backend):
+            raise ConfigError(
+                f"{where}backend: must be a Backend, not {type(backend).__name__} (open_backend opens one "
+                "from a URL)"
+            )
+        if bandwidth is not None and not isinstance(bandwidth, Bandwidth):
+            raise ConfigError(f"{where}bandwidth: must be None or a Bandwidth, not {bandwidth!r}")
         self.name = name
         self.backend = backend
-        self.adapt = adapt
+        self.adapt = options.adapt
         self.configured = bandwidth
         in_flight = InFlight()  # both directions share the device, so both share the count
         self.meters: dict[Direction, ThroughputMeter] = {
@@ -61,7 +80,11 @@ class TierPath:
             "write": ThroughputMeter(bandwidth.write if bandwidth else None, in_flight=in_flight),
         }
         self.scheduler = PathScheduler(
-            name, max_reads=max_reads, max_writes=max_writes, node_limits=node_limits, meters=self.meters
+            name,
+            max_reads=options.max_reads,
+            max_writes=options.max_writes,
+            node_limits=node_limits,
+            meters=self.meters,
         )
 
     def bandwidth(self) -> Bandwidth | None:
