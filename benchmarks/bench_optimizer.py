@@ -33,6 +33,13 @@ seconds per GB moved (also against the same-run device bound), peak RSS against 
     .venv/bin/python -m benchmarks.bench_optimizer --budget 4GiB --sizes 1GiB,4GiB,16GiB,32GiB \\
         --output benchmarks/results/optimizer_scale.json
 
+``--state-precision`` (``fp32``, ``bf16``, ``int8``, ``int8-compensated``) stores tierstore's state in a
+compressed format (:mod:`tierstore.optimizer.state_precision`); ``--state`` stays its fp32 size, and
+the bytes moved per step (``summary.bytes_moved``) are reported beside the step times::
+
+    .venv/bin/python -m benchmarks.bench_optimizer --state-precision int8-compensated \
+        --output benchmarks/results/optimizer_int8_compensated.json
+
 Needs ``pip install deepspeed==0.19.8`` and Debian ``libaio-dev``; the first run JIT-builds
 DeepSpeed's ops (minutes; cached in TORCH_EXTENSIONS_DIR).
 
@@ -64,6 +71,7 @@ from typing import Any
 import torch
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, StagedOptimizer
+from tierstore.optimizer.state_precision import PRESETS
 
 from tierstore import Tier, TierStore
 from tierstore.buffers import aligned_tensor
@@ -108,7 +116,14 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     backend = open_backend({"type": "nvme", "path": str(directory / "tierstore")})
     with TierStore([Tier("nvme", backend)], cache_budget=0, workers=8) as store:
         started = time.perf_counter()
-        optimizer = OffloadedAdamW(params, store, lr=1e-4, sub_group_size=numel, dram_budget=args.budget)
+        optimizer = OffloadedAdamW(
+            params,
+            store,
+            lr=1e-4,
+            sub_group_size=numel,
+            dram_budget=args.budget,
+            state_precision=args.state_precision,
+        )
         init_seconds = time.perf_counter() - started
         stager = optimizer.stager
 
@@ -118,7 +133,7 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             plan = plan_pass(
                 store.bandwidths()["nvme"],
                 stager.working_bytes + stager.area.capacity,
-                [3 * FP32 * numel] * count,
+                [FP32 * optimizer._stored_numel(sg) for sg in optimizer.subgroups],
                 working_bytes=stager.working_bytes,
                 compute_seconds=optimizer.compute_seconds,
             )
@@ -130,6 +145,7 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "subgroups": count,
         "numel": numel,
         "kept_in_dram": kept,
+        "stored_bytes": sum(FP32 * optimizer._stored_numel(sg) for sg in optimizer.subgroups),
         "model_bytes": 2 * 2 * count * numel,  # bf16 parameters and their bf16 gradients
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "page_cache_growth_bytes": page_cache_bytes() - page_cache_before,
@@ -150,10 +166,17 @@ def compute_side(args: argparse.Namespace) -> None:
     for param in params:
         param.grad = torch.randn(param.shape, dtype=torch.bfloat16).mul_(1e-3)
     with TierStore([Tier("dram", open_backend({"type": "dram"}))], cache_budget=0) as store:
-        optimizer = OffloadedAdamW(params, store, lr=1e-4, sub_group_size=numel, dram_budget=args.budget)
+        optimizer = OffloadedAdamW(
+            params,
+            store,
+            lr=1e-4,
+            sub_group_size=numel,
+            dram_budget=args.budget,
+            state_precision=args.state_precision,
+        )
         optimizer.step()  # step counts of 1, as in a steady step's bias correction
         # Two state buffers, faulted in beforehand as the stager's ring is.
-        ring = [aligned_tensor(optimizer.state_numel(sg)).zero_() for sg in optimizer.subgroups[:2]]
+        ring = [aligned_tensor(optimizer._stored_numel(sg)).zero_() for sg in optimizer.subgroups[:2]]
         torch.set_num_threads(max(1, torch.get_num_threads() - 1))  # compute_threads' default
         print("ready", flush=True)
         sys.stdin.readline()
@@ -161,7 +184,8 @@ def compute_side(args: argparse.Namespace) -> None:
         coefficient = optimizer._gradient_coefficient(1.0)
         assert coefficient is not None
         for index, sg in enumerate(optimizer.subgroups):
-            optimizer._update(sg, ring[index % 2][: optimizer.state_numel(sg)], coefficient)
+            stored = ring[index % 2][: optimizer._stored_numel(sg)]
+            optimizer._in_precision(sg, stored, optimizer._update, coefficient)  # unpacked, updated, packed
         print(round(time.perf_counter() - started, 3), flush=True)
 
 
@@ -373,6 +397,7 @@ def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[
         f"--budget={args.budget}",
         f"--numel={args.numel}",
         f"--steps={args.steps}",
+        f"--state-precision={args.state_precision}",
     ]
 
 
@@ -425,6 +450,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             **metadata(
                 directory,
                 state_bytes=args.state,
+                state_precision=args.state_precision,
                 dram_budget_bytes=args.budget,
                 subgroup_numel=args.numel,
                 steps=args.steps,
@@ -524,6 +550,12 @@ def main() -> int:
     parser.add_argument("--budget", type=parse_size, default=None, help="DRAM budget bytes")
     parser.add_argument("--numel", type=int, default=None, help="elements per sub-group")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--state-precision",
+        choices=list(PRESETS),
+        default="fp32",
+        help="how tierstore stores the state (--state is its fp32 size); bytes moved per step are reported",
+    )
     parser.add_argument(
         "--gpu-budget", type=parse_size, default=parse_size("128MiB"), help="--device cuda: GPU budget"
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -135,14 +136,46 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return _maps(signed)[0].clone()
 
 
+_BUCKET_SHIFT = 15
+"""A normalised magnitude's fp32 bits shifted right by this name its bucket (its exponent and 8
+significand bits): the map's entries are at least 2^-8 of their magnitude apart, so a bucket holds
+at most one midpoint between entries, and one comparison finds the nearest."""
+
+
+@functools.cache
+def _buckets(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per bucket of normalised magnitudes in [0, 1]: the index among the map's non-negative entries
+    of the one nearest to the bucket's start, and the midpoint to the next entry inside the bucket
+    (infinity if none)."""
+    table = _maps(signed)[0]
+    positive = table[table >= 0]
+    midpoints = (positive[1:] + positive[:-1]) / 2
+    count = (int(torch.tensor(1.0).view(torch.int32)) >> _BUCKET_SHIFT) + 1
+    starts = (torch.arange(count + 1, dtype=torch.int32) << _BUCKET_SHIFT).view(torch.float32)
+    lower = torch.searchsorted(midpoints, starts[:-1])  # midpoints below each bucket's start
+    padded = torch.cat([midpoints, torch.tensor([math.inf, math.inf])])
+    inside = torch.where(padded[lower] < starts[1:], padded[lower], math.inf)
+    assert bool((padded[lower + 1] >= starts[1:]).all()), "a bucket holds two midpoints"
+    return lower.to(torch.int32).to(device), inside.to(device)
+
+
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
+
+
+def _blocks(row: torch.Tensor) -> torch.Tensor:
+    """A row as blocks of :data:`BLOCK` (the last zero-padded, in a copy, if it is short)."""
+    blocks = -(-row.numel() // BLOCK)
+    if blocks * BLOCK == row.numel():
+        return row.view(blocks, BLOCK)
+    return torch.nn.functional.pad(row, (0, blocks * BLOCK - row.numel())).view(blocks, BLOCK)
 
 
 def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
     """8-bit blockwise quantisation of a row: per :data:`BLOCK` elements (the last block may be
     shorter) the largest magnitude into ``absmax``, and each value divided by it rounded to the
-    nearest entry of :func:`dynamic_map` (its index into ``codes``).
+    nearest entry of :func:`dynamic_map` (its index into ``codes``; a value half-way between two
+    entries takes the one of smaller magnitude).
 
     Args:
         values: the fp32 row.
@@ -150,17 +183,21 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
         absmax: fp32, one per block (``ceil(len(values) / BLOCK)``).
         signed: the signed map (a moment of either sign) or the non-negative one.
     """
-    _, midpoints = _maps(signed)
-    midpoints = _on(midpoints, values.device)
+    lower, inside = _buckets(signed, values.device)
+    zero = (_maps(signed)[0].numel() - 1) // 2 if signed else 0  # the index of the entry 0
     for start in range(0, values.numel(), QUANTISE_CHUNK):
         part = values[start : start + QUANTISE_CHUNK]
-        blocks = -(-part.numel() // BLOCK)
-        padded = torch.nn.functional.pad(part, (0, blocks * BLOCK - part.numel())).view(blocks, BLOCK)
-        peak = absmax[start // BLOCK : start // BLOCK + blocks]
+        padded = _blocks(part)
+        peak = absmax[start // BLOCK : start // BLOCK + padded.shape[0]]
         torch.amax(padded.abs(), dim=1, out=peak)
-        normalised = padded / torch.where(peak > 0, peak, 1.0).unsqueeze(1)
-        index = torch.searchsorted(midpoints, normalised.view(-1), out_int32=True)
-        codes[start : start + part.numel()].copy_(index[: part.numel()])
+        normalised = (padded / torch.where(peak > 0, peak, 1.0).unsqueeze(1)).view(-1)[: part.numel()]
+        magnitude = normalised.abs() if signed else normalised.clamp(min=0.0)
+        bucket = (magnitude.view(torch.int32) >> _BUCKET_SHIFT).clamp_(max=lower.numel() - 1)
+        index = torch.index_select(lower, 0, bucket)
+        index += magnitude > torch.index_select(inside, 0, bucket)
+        if signed:
+            index = torch.where(normalised < 0, zero - index, zero + index)
+        codes[start : start + part.numel()].copy_(index)
 
 
 def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
@@ -169,10 +206,9 @@ def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.T
     table = _on(_maps(signed)[0], out.device)
     for start in range(0, out.numel(), QUANTISE_CHUNK):
         part = out[start : start + QUANTISE_CHUNK]
-        blocks = -(-part.numel() // BLOCK)
-        values = table[codes[start : start + part.numel()].long()]
-        padded = torch.nn.functional.pad(values, (0, blocks * BLOCK - part.numel())).view(blocks, BLOCK)
-        padded.mul_(absmax[start // BLOCK : start // BLOCK + blocks].unsqueeze(1))
+        values = torch.index_select(table, 0, codes[start : start + part.numel()].int())
+        padded = _blocks(values)
+        padded.mul_(absmax[start // BLOCK : start // BLOCK + padded.shape[0]].unsqueeze(1))
         part.copy_(padded.view(-1)[: part.numel()])
 
 

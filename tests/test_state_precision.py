@@ -42,7 +42,7 @@ def reference_map(signed: bool) -> list[float]:
 
 def reference_quantise(values: list[float], signed: bool) -> tuple[list[int], list[float]]:
     """Per block its largest magnitude, per element the index of the map entry nearest to the value
-    over it (the lower one on a tie)."""
+    over it (the one of smaller magnitude on a tie)."""
     table = [float(torch.tensor(v, dtype=torch.float32)) for v in reference_map(signed)]
     codes, peaks = [], []
     for start in range(0, len(values), BLOCK):
@@ -51,7 +51,7 @@ def reference_quantise(values: list[float], signed: bool) -> tuple[list[int], li
         peaks.append(peak)
         for value in block:
             normalised = float(torch.tensor(value) / torch.tensor(peak)) if peak > 0 else 0.0  # in fp32
-            codes.append(min(range(len(table)), key=lambda i: (abs(table[i] - normalised), i)))
+            codes.append(min(range(len(table)), key=lambda i: (abs(table[i] - normalised), abs(table[i]))))
     return codes, peaks
 
 
