@@ -69,6 +69,17 @@ VARIANTS = (
 WARMUP = 2
 """Steps that warm allocators, kernels and the offloader's pools up before the measured ones."""
 PROBE_BYTES = 512 << 20
+PER_STEP_STATS = (
+    "host_bytes",
+    "spilled_bytes",
+    "read_bytes",
+    "restored_bytes",
+    "device_kept_bytes",
+    "snapshot_bytes",
+    "read_stall_s",
+    "write_stall_s",
+)
+"""The offloader's counters that each tierstore run reports per measured step."""
 TARGETS = {
     "host_step_vs_save_on_cpu": "<= 0.5",
     "host_step_vs_keep_long": "<= 1.10",
@@ -155,16 +166,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         offload.synchronize()
         after = offload.stats()
         measured = args.steps - WARMUP
-        for name in (
-            "host_bytes",
-            "spilled_bytes",
-            "read_bytes",
-            "restored_bytes",
-            "device_kept_bytes",
-            "snapshot_bytes",
-            "read_stall_s",
-            "write_stall_s",
-        ):
+        for name in PER_STEP_STATS:
             result[f"{name}_per_step"] = (after[name] - before.get(name, 0)) / measured
         result["peak_device_bytes"] = after["peak_device_bytes"]
         result["report"] = offload.report()
@@ -302,16 +304,7 @@ def _summary(by_variant: dict[str, list[dict[str, Any]]], write: float, read: fl
             "bit_identical_to_keep": bool(keep) and all(r["gradients_xxh64"] == keep[0] for r in done),
         }
         if variant.startswith("tierstore-"):
-            for name in (
-                "host_bytes",
-                "spilled_bytes",
-                "read_bytes",
-                "restored_bytes",
-                "device_kept_bytes",
-                "snapshot_bytes",
-                "read_stall_s",
-                "write_stall_s",
-            ):
+            for name in PER_STEP_STATS:
                 figures[f"{name}_per_step"] = statistics.median(r[f"{name}_per_step"] for r in done)
             figures["peak_device_bytes"] = max(r["peak_device_bytes"] for r in done)
             figures["report"] = done[-1]["report"]["line"] if done[-1].get("report") else None

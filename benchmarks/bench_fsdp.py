@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,33 +161,37 @@ def rank_main(run: dict[str, Any]) -> None:
         "optimizer_rss_added_bytes": 1024 * (highest - baseline),
     }
     checkpoint = Path(run["dir"]) / "checkpoint"
+
+    def measured(name: str, action: Callable[[], None]) -> None:
+        """``action``'s seconds until every rank is done, and the memory it adds to this rank's
+        RSS at its peak, into ``figures``."""
+        before = memory_kib("VmRSS")
+        reset_peak()
+        started = time.perf_counter()
+        action()
+        dist.barrier()
+        figures[f"{name}_s"] = time.perf_counter() - started
+        figures[f"{name}_rss_added_bytes"] = 1024 * (memory_kib("VmHWM") - before)
+
+    def save() -> None:
+        if store is not None:
+            fsdp.save(checkpoint, model, optimizer)  # type: ignore[arg-type]
+        else:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint)
+
+    def load() -> None:
+        if store is not None:
+            fsdp.load(checkpoint, model, optimizer)  # type: ignore[arg-type]
+        else:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp_load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
     dist.barrier()
     trim()
-    before = memory_kib("VmRSS")
-    reset_peak()
-    started = time.perf_counter()
-    if store is not None:
-        fsdp.save(checkpoint, model, optimizer)  # type: ignore[arg-type]
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint)
-        del model_state, optimizer_state
-    dist.barrier()
-    figures["dcp_save_s"] = time.perf_counter() - started
-    figures["dcp_save_rss_added_bytes"] = 1024 * (memory_kib("VmHWM") - before)
-    before = memory_kib("VmRSS")
-    reset_peak()
-    started = time.perf_counter()
-    if store is not None:
-        fsdp.load(checkpoint, model, optimizer)  # type: ignore[arg-type]
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp_load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint)
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-        del model_state, optimizer_state
-    dist.barrier()
-    figures["dcp_load_s"] = time.perf_counter() - started
-    figures["dcp_load_rss_added_bytes"] = 1024 * (memory_kib("VmHWM") - before)
+    measured("dcp_save", save)
+    measured("dcp_load", load)
     figures["peak_rss_bytes"] = 1024 * max(HIGHEST_KIB[0], memory_kib("VmHWM"))
     if store is not None:
         optimizer.close()  # type: ignore[attr-defined]
