@@ -1,11 +1,12 @@
 """The store's operations on one key, each run on the store's serializer after the operations
-issued on that key before it: put, get, prefetch, delete and the commit of a copy; and the checks
-of the tensors they take.
+issued on that key before it (put, get, prefetch, delete and the commit of a copy), the parts they
+run on, and the checks of what a store is opened with and of the tensors it takes.
 
 :class:`~tierstore.store.TierStore` checks the arguments, orders the operations per key and routes
-each one to its :class:`StoreOperations`, which runs it over the tier chain (:mod:`.chain`: where
-the bytes go, verified reads), the commit protocol (:mod:`.catalog`) and, for a store with a
-cache, the write-back cache (:mod:`.cache`), copying device tensors through :mod:`.device`.
+each one to its :class:`StoreOperations`, which opens, reports on and closes the parts: the tier
+chain (:mod:`.chain`: where the bytes go, verified reads), the commit protocol (:mod:`.catalog`),
+for a store with a cache the write-back cache (:mod:`.cache`), and the device copies
+(:mod:`.device`).
 """
 
 from __future__ import annotations
