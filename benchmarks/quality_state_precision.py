@@ -379,39 +379,54 @@ def summary_line(model_name: str, name: str, result: dict[str, Any]) -> str:
     )
 
 
-def smoothed(values: list[float], window: int) -> list[float]:
-    """The running mean over the last ``window`` values (fewer at the start)."""
-    out, total = [], 0.0
-    for index, value in enumerate(values):
-        total += value - (values[index - window] if index >= window else 0.0)
-        out.append(total / min(index + 1, window))
+def smoothed(values: list[float], span: int) -> list[float]:
+    """The exponential moving average of ``values`` over about ``span`` steps, bias-corrected (as
+    Adam's moments) so that the first values are not pulled towards zero."""
+    decay = 1 - 2 / (span + 1)
+    out, average = [], 0.0
+    for count, value in enumerate(values, 1):
+        average = decay * average + (1 - decay) * value
+        out.append(average / (1 - decay**count))
     return out
 
 
 def plot(document: dict[str, Any], path: Path) -> None:
-    """Training (smoothed) and validation loss curves: one row per model and the fine-tuning."""
+    """One row per model and one for the fine-tuning: the training loss (smoothed), the
+    validation loss, and the smoothed training loss over the row's reference (torch's fp32
+    AdamW; for the fine-tuning, the fp32 master weights)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = document["runs"]
-    figure, axes = plt.subplots(len(rows), 2, figsize=(12, 3.6 * len(rows)), squeeze=False)
-    for (row_name, runs), (training, held_out) in zip(rows.items(), axes, strict=True):
+    figure, axes = plt.subplots(len(rows), 3, figsize=(16, 3.6 * len(rows)), squeeze=False)
+    for (row_name, runs), (training, held_out, ratio) in zip(rows.items(), axes, strict=True):
+        reference_name = "fp32" if row_name == "fine-tuning" else REFERENCE
+        reference = smoothed(runs[reference_name]["losses"], TAIL)
         for name, run in runs.items():
-            steps = range(1, len(run["losses"]) + 1)
             label = {REFERENCE: "torch AdamW(fused=True)", NO_MASTER: "torch AdamW on bf16, no master"}.get(
                 name, f"tierstore {name}"
             )
-            training.plot(steps, smoothed(run["losses"], TAIL), label=label, linewidth=1)
+            losses = smoothed(run["losses"], TAIL)
+            steps = range(1, len(losses) + 1)
+            training.plot(steps, losses, label=label, linewidth=1)
             at, values = zip(*run["validation"], strict=True)
             held_out.plot(at, values, label=f"{label} ({run['final_validation_loss']:.3f})", linewidth=1)
-        training.set_title(f"{row_name}: training loss (mean of the last {TAIL} steps)")
+            over = [ours / theirs for ours, theirs in zip(losses, reference, strict=False)]  # to a divergence
+            ratio.plot(range(1, len(over) + 1), over, label=label, linewidth=1)
+        training.set_title(f"{row_name}: training loss (moving average over ~{TAIL} steps)")
         held_out.set_title(f"{row_name}: validation loss")
-        for axis in (training, held_out):
+        if reference_name == REFERENCE:
+            ratio.set_title(f"{row_name}: training loss over torch's (target: below the line)")
+            ratio.axhline(TARGET, color="grey", linestyle=":", linewidth=1)
+        else:
+            ratio.set_title(f"{row_name}: training loss over fp32 masters'")
+        for axis in (training, held_out, ratio):
             axis.set_xlabel("step")
-            axis.set_ylabel("nats per byte")
             axis.legend(fontsize=8)
+        training.set_ylabel("nats per byte")
+        held_out.set_ylabel("nats per byte")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
