@@ -16,7 +16,7 @@ of parameters with different counts share the call).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Unpack
+from typing import Any, ClassVar, Unpack
 
 import torch
 
@@ -127,7 +127,7 @@ class OffloadedAdamW(StagedOptimizer):
 
     LAYOUT_KEYS = ("amsgrad",)
     IMPLEMENTATION_KEYS = tuple(KERNEL_KEYS)
-    COMPRESSED_STATE = None
+    COMPRESSED_STATE: ClassVar[str | None] = None
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ import torch
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer, apollo
 from tierstore.optimizer.device import DeviceStager
+from tierstore.optimizer.state_precision import BLOCK, PRESETS, PackedLayout
 
 from tierstore import BufferMismatchError, Tier, TierStore
 from tierstore.app.demo import GPT
@@ -292,6 +293,56 @@ def test_a_snapshot_of_a_gpu_run_loads_into_a_cpu_run(
     for got, want in zip(on_cpu.master_params(), on_gpu.master_params(), strict=True):
         assert torch.equal(got, want)
     assert on_cpu.step_count == on_gpu.step_count == 3
+
+
+# -- compressed state on the GPU --------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int8-compensated"])
+def test_compressed_state_packs_on_the_gpu_as_on_the_cpu(precision: str) -> None:
+    """The packing kernels are torch operations: on the GPU they make the CPU's bytes, and unpack
+    them to the CPU's values."""
+    numel = 3 * BLOCK + 77
+    rows = torch.randn(3, numel)
+    rows[2] = rows[2].square()
+    params = rows[0].to(torch.bfloat16)
+    layout = PackedLayout(("master", "signed", "nonnegative"), numel, PRESETS[precision])
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for device in ("cpu", "cuda"):
+        words = torch.zeros(layout.words, device=device)
+        layout.encode(rows.to(device), words, [(0, numel, torch.bfloat16)])
+        restored = torch.empty(3, numel, device=device)
+        layout.decode(words, restored, [(0, params.to(device).float())])
+        packed[device] = (words.cpu().view(torch.int32), restored.cpu())
+    assert torch.equal(packed["cuda"][0], packed["cpu"][0])
+    assert torch.equal(packed["cuda"][1], packed["cpu"][1])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8-compensated"])
+def test_compressed_state_trains_on_the_gpu_and_resumes_on_the_cpu(
+    stores: Callable[..., TierStore], precision: str
+) -> None:
+    """A bf16 GPT on the GPU in a compressed precision: close to torch's fused AdamW over fp32
+    masters, fewer bytes in each slot than fp32's; its state dict loads into a CPU run byte for
+    byte."""
+    model = gpt(torch.bfloat16)
+    reference = Reference(model, None)
+    options: dict[str, Any] = {**HYPER, "sub_group_size": 50_000}
+    ours = OffloadedAdamW(
+        model.parameters(), stores(), gpu_budget="1MiB", state_precision=precision, **options
+    )
+    fp32 = OffloadedAdamW(gpt(torch.bfloat16).parameters(), stores(), gpu_budget="1MiB", **options)
+    assert ours.stager.slot_bytes < fp32.stager.slot_bytes
+    train(model, ours, reference, range(STEPS))
+    for got, master in zip(ours.master_params(), reference.masters, strict=True):
+        assert relative_error(got, master.detach().cpu()) <= 1e-2
+    saved = ours.state_dict()
+    on_cpu = OffloadedAdamW(
+        copy_of(model, "cpu").parameters(), stores(), state_precision=precision, **options
+    )
+    on_cpu.load_state_dict(saved)
+    for mine, theirs in zip(
+        on_cpu.state_dict()["packed_state"]["subgroups"], saved["packed_state"]["subgroups"], strict=True
+    ):
+        assert torch.equal(mine["data"], theirs["data"])
 
 
 # -- FSDP2 on the GPU ------------------------------------------------------------------------------------
