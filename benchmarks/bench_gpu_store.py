@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from tierstore.backends import open_backend
 
 from tierstore import Tier, TierStore
 
-from .common import log, metadata, parse_size, positive_int, run_benchmark, spread
+from .common import cuda_run, log, metadata, parse_size, positive_int, run_benchmark, spread
 
 VARIANTS = ("compute", "traffic", "both")
 TARGET = 0.90
@@ -179,9 +178,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         **metadata(
             directory,
             benchmark="gpu_store",
-            command=" ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            device=torch.cuda.get_device_name(),
-            cuda=torch.version.cuda,
+            **cuda_run(),
             config={
                 "tier": args.tier,
                 "bytes": args.bytes,

@@ -406,6 +406,18 @@ def run_text(command: list[str]) -> str | None:
     return " ".join(done.stdout.split())
 
 
+def cuda_run() -> dict[str, Any]:
+    """A GPU benchmark's own metadata: the command that ran it (``python -m benchmarks.<name> ...``)
+    and the device and CUDA it ran on."""
+    spec = sys.modules["__main__"].__spec__
+    assert spec is not None, "a benchmark runs as a module: python -m benchmarks.<name>"
+    return {
+        "command": " ".join(["python", "-m", spec.name, *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(),
+        "cuda": torch.version.cuda,
+    }
+
+
 def metadata(directory: Path, **fields: Any) -> dict[str, Any]:
     """Date, the benchmark's own ``fields``, then where and with what it ran."""
     return {

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from tierstore.optimizer.device import DeviceStager
 from tierstore import Tier, TierStore
 from tierstore.bandwidth import probe
 
-from .common import log, metadata, spread
+from .common import cuda_run, log, metadata, spread
 
 STATE_BYTES_PER_PARAM = 12
 """fp32 master weights and two moments of a bf16 parameter."""
@@ -282,9 +281,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         **metadata(
             directory,
             benchmark="optimizer_gpu",
-            command=" ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            device=torch.cuda.get_device_name(),
-            cuda=torch.version.cuda,
+            **cuda_run(),
             config={
                 "state_bytes": model.state_bytes,
                 "parameters": model.count * model.numel,
