@@ -43,7 +43,7 @@ from tierstore import Tier, TierStore
 from tierstore.app.demo import GPT, batch_of, byte_corpus
 
 from . import activations_gpu
-from .common import ROOT, log, metadata, module_command, parse_size, positive_int, run_benchmark
+from .common import ROOT, log, metadata, module_command, parse_size, positive_int, run_variant_or_benchmark
 
 VARIANTS = ("keep", "recompute", "tierstore-all", "tierstore-lifetime")
 ALLOCATORS: dict[str, dict[str, str]] = {"default": {}, "mmap-1MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
@@ -350,16 +350,10 @@ def main() -> int:
             raise SystemExit(
                 "bench_activations --device cuda needs a CUDA device (torch.cuda.is_available() is False)"
             )
-        if args.child is not None:
-            args.variant = args.child
-            args.json.write_text(json.dumps(activations_gpu.child(args)))
-            return 0
-        return run_benchmark(activations_gpu.run, args, prefix="activations-gpu-", needs_fio=False)
-    if args.child is not None:
-        args.variant = args.child
-        args.json.write_text(json.dumps(child(args)))
-        return 0
-    return run_benchmark(run, args, prefix="activations-", needs_fio=False)
+        return run_variant_or_benchmark(
+            activations_gpu.child, activations_gpu.run, args, "activations-gpu-", needs_fio=False
+        )
+    return run_variant_or_benchmark(child, run, args, "activations-", needs_fio=False)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, log, measure_update_bound, module_command, run_benchmark
+from .common import ROOT, log, measure_update_bound, module_command, run_variant_or_benchmark
 
 VARIANTS = ("zero-infinity", "tierstore")
 """The variants that train at the full size; ``cpu-offload`` is measured where it fits."""
@@ -680,11 +680,7 @@ def main() -> int:
     parser.add_argument("--child", choices=ALL_VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child is not None:
-        args.variant = args.child
-        args.json.write_text(json.dumps(child(args)))
-        return 0
-    return run_benchmark(run, args, prefix="beyond-memory-", needs_fio=True)
+    return run_variant_or_benchmark(child, run, args, "beyond-memory-", needs_fio=True)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,31 @@ def run_benchmark(
     return 0
 
 
+def run_variant_or_benchmark(
+    child: Callable[[argparse.Namespace], dict[str, Any]],
+    run: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    args: argparse.Namespace,
+    prefix: str,
+    *,
+    needs_fio: bool,
+) -> int:
+    """Run one variant in a child process of the benchmark, or the benchmark itself.
+
+    Args:
+        child: runs the variant ``args.variant`` and returns its figures.
+        run: the benchmark, as :func:`run_benchmark` calls it.
+        args: the command line; in a child (``--child VARIANT``, as the benchmark starts one), the
+            figures go to the file ``args.json``.
+        prefix: the data directory's prefix (:func:`run_benchmark`).
+        needs_fio: whether the benchmark needs fio (:func:`run_benchmark`).
+    """
+    if args.child is None:
+        return run_benchmark(run, args, prefix, needs_fio=needs_fio)
+    args.variant = args.child
+    args.json.write_text(json.dumps(child(args)))
+    return 0
+
+
 @contextmanager
 def data_directory(requested: Path | None, prefix: str = "bench-") -> Iterator[Path]:
     """Yield an empty-or-existing directory for the data and remove what was created in it."""
