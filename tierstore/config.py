@@ -146,7 +146,9 @@ class TierConfig(ConfigModel):
     probe: bool = False
     """Measure unconfigured paths' bandwidth when the store opens (cached on disk)."""
     capacity: ByteSize | None = None
-    """Bytes this tier may hold; objects go to the first tier with room (none: no limit)."""
+    """Bytes of objects a store keeps on this tier (each store on shared directories counts its
+    own; a checkpoint config's tier bounds each store it opens so); objects go to the first tier
+    with room (none: no limit)."""
 
     @model_validator(mode="after")
     def _one_way_to_give_paths(self) -> TierConfig:

@@ -97,8 +97,9 @@ class Tier:
         paths: its paths (each a :class:`TierPath`, or a bare backend that becomes the path
             ``<name>.<index>`` with default limits), or one backend for a one-path tier. The
             tier owns them and closes them.
-        capacity: the most bytes of objects it holds (an int, or text such as ``"100GiB"``;
-            recycled space counts in it); None: as many as the media take.
+        capacity: the most bytes of objects the store keeps on it (an int, or text such as
+            ``"100GiB"``; recycled space counts in it; stores sharing the paths count their own);
+            None: as many as the media take.
         placement: ``"stripe"`` splits each object over all paths by bandwidth; ``"place"``
             puts each whole object on one path, in bandwidth proportion over many objects.
         stripe_by: which bandwidth sets the paths' shares: ``"round-trip"`` (objects written
