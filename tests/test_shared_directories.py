@@ -12,8 +12,8 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -101,21 +101,13 @@ def test_scratch_objects_are_private_and_removed_at_close(tmp_path: Path, scheme
 
 def test_concurrent_opens_of_one_directory_never_fail(tmp_path: Path) -> None:
     """Each opener proves the directory writable with a probe file of its own."""
-    errors: list[BaseException] = []
 
-    def open_and_close() -> None:
-        try:
-            for _ in range(25):
-                open_backend(f"nvme://{tmp_path}").close()
-        except BaseException as error:
-            errors.append(error)
+    def open_and_close(opener: int) -> None:
+        for _ in range(25):
+            open_backend(f"nvme://{tmp_path}").close()
 
-    threads = [threading.Thread(target=open_and_close) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors[0]
+    with ThreadPoolExecutor(8) as openers:
+        list(openers.map(open_and_close, range(8)))  # raises what an opener raised
     assert list(tmp_path.iterdir()) == []
 
 

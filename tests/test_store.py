@@ -1,9 +1,8 @@
 """TierStore behaviour over each persistent tier kind (DRAM backend and NVMe backend)."""
 
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -415,24 +414,16 @@ def test_close_removes_tier_objects(tmp_path: Path) -> None:
 
 def test_concurrent_clients(open_store: StoreFactory) -> None:
     store = open_store(cache_budget=128 << 10)
-    errors: list[BaseException] = []
 
     def client(index: int) -> None:
-        try:
-            for round_ in range(10):
-                key = f"c{index}-{round_ % 4}"
-                value = random_tensor((2000 + index,), torch.float32, index * 100 + round_)
-                store[key] = value
-                assert torch.equal(store[key], value)
-        except BaseException as error:
-            errors.append(error)
+        for round_ in range(10):
+            key = f"c{index}-{round_ % 4}"
+            value = random_tensor((2000 + index,), torch.float32, index * 100 + round_)
+            store[key] = value
+            assert torch.equal(store[key], value)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors[0]
+    with ThreadPoolExecutor(8) as clients:
+        list(clients.map(client, range(8)))  # raises what a client raised
     assert store.stats()["peak_cache_bytes"] <= 128 << 10
 
 
@@ -530,8 +521,6 @@ def test_cache_hint_bypasses_the_cache(open_store: StoreFactory) -> None:
 
 
 def test_concurrent_puts_get_distinct_backend_names() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     from tierstore.backends import open_backend
 
     with TierStore([open_backend("dram://")], cache_budget=0, workers=8) as store:

@@ -9,9 +9,9 @@ Tests for capabilities a backend does not declare are skipped, never failed.
 from __future__ import annotations
 
 import shutil
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -157,25 +157,16 @@ class BackendTests(ABC):
             assert bytes(outs[name]) == data.tobytes()
 
     def test_thread_safety(self, backend: Backend) -> None:
-        errors: list[BaseException] = []
-
         def worker(index: int) -> None:
-            try:
-                for round_ in range(5):
-                    name = f"thread-{index}-{round_}"
-                    data = pattern(10_000 + index * 4096 + round_, seed=index * 10 + round_)
-                    self.write_whole(backend, name, data)
-                    assert self.read_whole(backend, name) == data.tobytes()
-                    backend.delete(name)
-            except BaseException as error:
-                errors.append(error)
+            for round_ in range(5):
+                name = f"thread-{index}-{round_}"
+                data = pattern(10_000 + index * 4096 + round_, seed=index * 10 + round_)
+                self.write_whole(backend, name, data)
+                assert self.read_whole(backend, name) == data.tobytes()
+                backend.delete(name)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not errors, errors[0]
+        with ThreadPoolExecutor(8) as workers:
+            list(workers.map(worker, range(8)))  # raises what a worker raised
         assert backend.list() == []
 
     # -- metadata ---------------------------------------------------------------------------------
