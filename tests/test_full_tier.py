@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +34,24 @@ def full_tier(tmp_path: Path, *, capacity: str, cache: str = "4MiB") -> dict[str
     return config
 
 
+@contextmanager
+def store_that_cannot_close(tmp_path: Path, *, capacity: str) -> Iterator[TierStore]:
+    """A store over :func:`full_tier` that the block leaves holding objects the tier has no room
+    for: its close must then fail (and release it)."""
+    store = TierStore.from_config(full_tier(tmp_path, capacity=capacity))
+    try:
+        yield store
+    finally:
+        with pytest.raises(BackendIOError):
+            store.close()
+
+
 def only_in_memory(store: TierStore) -> list[str]:
     return sorted(key for key in store if store.info(key).tier is None)
 
 
 def test_committed_objects_stay_readable_behind_a_cache_full_of_unwritable_ones(tmp_path: Path) -> None:
-    store = TierStore.from_config(full_tier(tmp_path, capacity="8MiB"))
-    try:
+    with store_that_cannot_close(tmp_path, capacity="8MiB") as store:
         puts = [store.put(f"k{i}", value(i)) for i in range(12)]
         assert [put.exception() for put in puts] == [None] * 12
         for i in range(12):  # 8 on the tier, 4 dirty in the cache that the tier has no room for
@@ -46,14 +59,10 @@ def test_committed_objects_stay_readable_behind_a_cache_full_of_unwritable_ones(
             out = torch.empty(MIB // 4)
             assert store.get(f"k{i}", out=out).result() is out and torch.equal(out, value(i))
         assert len(only_in_memory(store)) == 4
-    finally:
-        with pytest.raises(BackendIOError):
-            store.close()
 
 
 def test_flush_names_every_object_only_in_memory_and_carries_enospc(tmp_path: Path) -> None:
-    store = TierStore.from_config(full_tier(tmp_path, capacity="2MiB"))
-    try:
+    with store_that_cannot_close(tmp_path, capacity="2MiB") as store:
         for i in range(3):
             store[f"k{i}"] = value(i)
         with pytest.raises(BackendIOError) as raised:
@@ -63,9 +72,6 @@ def test_flush_names_every_object_only_in_memory_and_carries_enospc(tmp_path: Pa
         assert raised.value.errno == errno.ENOSPC
         assert isinstance(raised.value.__cause__, CapacityError)
         assert f"{unwritten[0]!r}" in str(raised.value)
-    finally:
-        with pytest.raises(BackendIOError):
-            store.close()
 
 
 def test_a_write_back_put_is_refused_while_earlier_objects_cannot_be_written(tmp_path: Path) -> None:
@@ -93,8 +99,7 @@ def test_a_write_back_put_is_refused_while_earlier_objects_cannot_be_written(tmp
 
 
 def test_a_write_through_put_goes_around_a_cache_full_of_unwritable_objects(tmp_path: Path) -> None:
-    store = TierStore.from_config(full_tier(tmp_path, capacity="4MiB"))
-    try:
+    with store_that_cannot_close(tmp_path, capacity="4MiB") as store:
         for i in range(4):
             store.put(f"tier{i}", value(i), cache=False).result()  # the tier is full
             store[f"cached{i}"] = value(i)  # the cache is full
@@ -106,9 +111,6 @@ def test_a_write_through_put_goes_around_a_cache_full_of_unwritable_objects(tmp_
         info = store.info("through")
         assert info.tier is not None and not info.cached
         assert torch.equal(store["through"], value(9))
-    finally:
-        with pytest.raises(BackendIOError):
-            store.close()
 
 
 @pytest.mark.parametrize("how", ["close", "with"])
