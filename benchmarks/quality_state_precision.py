@@ -19,7 +19,7 @@ resolution are rounded away), by OffloadedAdamW with fp32 master weights and by 
 with the compensated bf16 master weight.
 
 Writes the runs (JSON) and their loss curves (PNG) and prints one line per model and optimizer.
-About 15 minutes on 2 cores with the defaults::
+About 13 minutes on 2 cores with the defaults::
 
     .venv/bin/python -m benchmarks.quality_state_precision \\
         --output benchmarks/results/state_precision_quality.json \\
@@ -449,18 +449,33 @@ def main() -> int:
     assert __doc__ is not None
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=positive_int, default=2000, help="steps of each training run")
-    parser.add_argument("--finetune-steps", type=positive_int, default=500)
+    parser.add_argument(
+        "--finetune-steps", type=positive_int, default=500, help="steps of each fine-tuning run"
+    )
     parser.add_argument(
         "--formats", type=names_of(FORMATS), default=list(FORMATS), help="state precisions to train"
     )
-    parser.add_argument("--models", type=names_of(MODELS), default=list(MODELS), help="models to train")
-    parser.add_argument("--width", type=positive_int, default=64)
-    parser.add_argument("--layers", type=positive_int, default=2)
-    parser.add_argument("--length", type=positive_int, default=64)
-    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument(
+        "--models",
+        type=names_of(MODELS),
+        default=list(MODELS),
+        help="models to train (the fine-tuning runs when the GPT is among them)",
+    )
+    parser.add_argument("--width", type=positive_int, default=64, help="both models' width")
+    parser.add_argument("--layers", type=positive_int, default=2, help="both models' blocks")
+    parser.add_argument("--length", type=positive_int, default=64, help="tokens (bytes) per sequence")
+    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per batch")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--finetune-lr", type=float, default=1e-5)
-    parser.add_argument("--finetune-bytes", type=positive_int, default=1 << 20)
+    parser.add_argument(
+        "--finetune-lr",
+        type=float,
+        default=1e-5,
+        help="the fine-tuning's learning rate: Adam's steps of about this size are below half a "
+        "bf16 ulp of most weights, which torch's AdamW on bf16 parameters then rounds away",
+    )
+    parser.add_argument(
+        "--finetune-bytes", type=positive_int, default=1 << 20, help="bytes of source code to fine-tune on"
+    )
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument(
         "--threads",
@@ -470,11 +485,16 @@ def main() -> int:
         "spin-waiting threads run many times slower on cores another process also uses",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--validation-fraction", type=float, default=0.1)
-    parser.add_argument("--eval-every", type=positive_int, default=100)
-    parser.add_argument("--eval-batches", type=positive_int, default=16)
-    parser.add_argument("--sub-group-size", type=positive_int, default=16384)
-    parser.add_argument("--dram-budget", type=positive_int, default=1 << 20)
+    parser.add_argument("--validation-fraction", type=float, default=0.1, help="of each text, held out")
+    parser.add_argument("--eval-every", type=positive_int, default=100, help="steps between validations")
+    parser.add_argument("--eval-batches", type=positive_int, default=16, help="batches per validation")
+    parser.add_argument("--sub-group-size", type=positive_int, default=16384, help="OffloadedAdamW's")
+    parser.add_argument(
+        "--dram-budget",
+        type=positive_int,
+        default=1 << 20,
+        help="OffloadedAdamW's, in bytes (below its state)",
+    )
     parser.add_argument(
         "--dir", type=Path, default=None, help="directory for the state (default: ./bench-data)"
     )
@@ -483,23 +503,23 @@ def main() -> int:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
+    started = time.perf_counter()
     train_text, held_out = split(english_corpus(), args.validation_fraction)
     data = (train_text, validation_batches(held_out, args))
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     with data_directory(args.dir, "quality-state-precision-") as directory:
-        trained: dict[str, torch.Tensor] = {}
+        trained: dict[str, dict[str, torch.Tensor]] = {}
         for model_name in args.models:
-            runs[model_name], weights = pretraining(model_name, args, data, directory)
-            trained = weights if model_name == "gpt" else trained
-        if trained:
-            runs["fine-tuning"] = fine_tuning(trained, args, directory)
+            runs[model_name], trained[model_name] = pretraining(model_name, args, data, directory)
+        if "gpt" in trained:
+            runs["fine-tuning"] = fine_tuning(trained["gpt"], args, directory)
     summary = {
         row: compare_fine_tuning(row_runs) if row == "fine-tuning" else compare(row_runs)
         for row, row_runs in runs.items()
     }
     document = {
         "benchmark": "state_precision_quality",
-        "metadata": metadata(args),
+        "metadata": {**metadata(args), "seconds": round(time.perf_counter() - started)},
         "summary": summary,
         "runs": runs,
     }
