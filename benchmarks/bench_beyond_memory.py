@@ -33,7 +33,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,16 +121,11 @@ def ds_config(variant: str, args: argparse.Namespace, nvme: Path) -> dict[str, A
 
 
 def corpus(length: int, sequences: int) -> list[dict[str, Any]]:
-    """``sequences`` byte sequences of ``length`` from the standard library's sources, in a fixed
-    order."""
-    import torch
+    """``sequences`` byte sequences of ``length`` from the standard library's sources (the demo's
+    byte corpus), in a fixed order."""
+    from tierstore.app.demo import byte_corpus
 
-    data = bytearray()
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        data += path.read_bytes()
-        if len(data) >= sequences * length:
-            break
-    tokens = torch.frombuffer(bytes(data[: sequences * length]), dtype=torch.uint8).long()
+    tokens = byte_corpus(sequences * length)
     return [{"input_ids": row, "labels": row} for row in tokens.view(sequences, length)]
 
 
