@@ -401,7 +401,8 @@ class SavedState(torch.optim.Optimizer):
         if not self.precision.compressed:
             return stored
         rows = torch.empty(self.state_numel(sg), dtype=torch.float32)
-        self._packed_layout(sg).decode(stored, rows, [(o, w.cpu()) for o, w in self._compensated_windows(sg)])
+        windows = [(offset, window.cpu()) for offset, window in self._compensated_windows(sg)]
+        self._packed_layout(sg).decode(stored, rows, windows, settle=True)
         return rows
 
     def _packed_state(self) -> dict[str, Any]:

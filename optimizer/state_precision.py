@@ -214,13 +214,18 @@ def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.T
 
 def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
     """The compensation term of fp32 ``master`` weights whose parameter holds them rounded to
-    ``param_dtype``: ``master - rounded`` in bf16, kept strictly within half the parameter's
-    resolution so that ``param + compensation`` rounds back to the parameter."""
-    rounded = master.to(param_dtype).float()
-    compensation.copy_(master - rounded)
-    ties = (rounded + compensation.float()).to(param_dtype).float() != rounded
-    if bool(ties.any()):  # an exact half-step (a power of two): one bf16 step towards zero
-        compensation.copy_(torch.where(ties, compensation.float() * (1 - 2.0**-8), compensation.float()))
+    ``param_dtype``: ``master - rounded``, rounded to bf16 (at most half the parameter's
+    resolution: ``param + compensation`` rounds back to the parameter, or lies exactly half-way,
+    which :func:`settled_master` resolves)."""
+    compensation.copy_(master - master.to(param_dtype).float())
+
+
+def settled_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """``master`` (``param + compensation``) moved one fp32 step towards the parameter where it lies
+    exactly half-way to the parameter's neighbour, so that the parameter rounds from it: the master
+    weights handed out (state dicts, :meth:`master_params`) are ones their parameter rounds from."""
+    ties = master.to(param.dtype) != param
+    master.copy_(torch.where(ties, torch.nextafter(master, param.float()), master))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +308,8 @@ class PackedLayout:
         packed: torch.Tensor,
         rows: torch.Tensor,
         windows: Sequence[tuple[int, torch.Tensor]] = (),
+        *,
+        settle: bool = False,
     ) -> None:
         """Unpack into fp32 ``rows`` (``len(kinds) x numel``).
 
@@ -312,6 +319,8 @@ class PackedLayout:
             windows: for a compensated master, each low-precision piece's offset in the sub-group
                 and its parameter's elements; the master is ``param + compensation`` there and
                 zero elsewhere.
+            settle: hand out a compensated master its parameter rounds from
+                (:func:`settled_master`), rather than the one the update continues from.
         """
         for segment, row in zip(self.segments, rows.view(len(self.kinds), self.numel), strict=True):
             if segment.format == "fp32":
@@ -329,6 +338,8 @@ class PackedLayout:
                     part = row[offset : offset + window.numel()]
                     part.copy_(window)
                     part.add_(compensation[offset : offset + window.numel()])
+                    if settle:
+                        settled_master(part, window)
 
     def encode(
         self, rows: torch.Tensor, packed: torch.Tensor, dtypes: Sequence[tuple[int, int, torch.dtype]] = ()
@@ -402,7 +413,7 @@ def fp32_state_dict(state_dict: dict[str, Any], params: Sequence[torch.Tensor]) 
             if params[param].dtype != torch.float32
         ]
         rows = torch.empty(len(names), layout.numel, dtype=torch.float32)
-        layout.decode(words, rows, windows)
+        layout.decode(words, rows, windows, settle=True)
         for name, row in zip(names, rows, strict=True):
             for param, start, offset, length in pieces:
                 if name == "master_param" and params[param].dtype == torch.float32:
