@@ -234,3 +234,21 @@ def test_a_dcp_checkpoint_through_the_tiers_carries_the_packed_state(tmp_path: P
         for sg in optimizer.subgroups:
             ours, theirs = fresh.stager.read(sg.index), optimizer.stager.read(sg.index)
             assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+
+
+def test_fp32_is_the_state_as_without_the_option(tmp_path: Path) -> None:
+    """state_precision="fp32" changes nothing: the same stored objects, weights and state dict as an
+    optimizer built without it, bit for bit, and no packed state or scratch."""
+    with make_store(tmp_path, "dram") as store:
+        plain_params, fp32_params = model(torch.bfloat16), model(torch.bfloat16)
+        plain = OffloadedAdamW(
+            plain_params, store, lr=1e-2, weight_decay=0.1, sub_group_size=500, namespace="plain"
+        )
+        fp32 = adamw(store, fp32_params, "fp32", namespace="fp32")
+        train(plain, plain_params, 3, seed=1)
+        train(fp32, fp32_params, 3, seed=1)
+        for ours, theirs in zip(fp32_params, plain_params, strict=True):
+            assert torch.equal(ours, theirs)
+        for sg in plain.subgroups:
+            assert torch.equal(fp32.stager.read(sg.index), plain.stager.read(sg.index))
+        assert "packed_state" not in fp32.state_dict() and fp32._scratch.numel() == 0
