@@ -10,8 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -346,9 +346,12 @@ def train_side_by_side(
     expected: torch.optim.Optimizer,
     reference: list[torch.nn.Parameter],
     steps: range,
+    *,
+    exact: bool = False,
 ) -> None:
     """Step ``optimizer`` over ``model`` and ``expected`` over ``reference`` (its twin: the same
-    shapes and values) with the same gradients, seeded by each of ``steps``."""
+    shapes and values) with the same gradients, seeded by each of ``steps``; with ``exact``, the two
+    models must then be equal to the bit."""
     for step in steps:
         generator = torch.Generator().manual_seed(step)
         for param, twin in zip(model, reference, strict=True):
@@ -356,3 +359,76 @@ def train_side_by_side(
             twin.grad = param.grad.clone()
         optimizer.step()
         expected.step()
+    if exact:
+        for got, want in zip(model, reference, strict=True):
+            assert torch.equal(got.detach(), want.detach())
+
+
+# -- models trained with and without an activation offloader ---------------------------------------
+def small_llama_config() -> Any:
+    """The config of a Hugging Face Llama small enough for a test on a CPU: 2 layers 64 wide, a
+    vocabulary of 128, eager attention (random weights from it, nothing downloaded). Needs
+    ``transformers``."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",  # type: ignore[call-arg]  # a keyword of PretrainedConfig's
+    )
+
+
+Gradients = list[list[torch.Tensor]]
+"""Each step's gradients, one per parameter that has one, in the model's order."""
+
+
+def sgd_gradients(
+    model: torch.nn.Module,
+    inputs: Callable[[int], torch.Tensor],
+    steps: int,
+    *,
+    forward: Callable[[], AbstractContextManager[object]] = nullcontext,
+    backward: Callable[[torch.Tensor, torch.nn.Module], None] | None = None,
+    after_step: Callable[[], None] | None = None,
+) -> Gradients:
+    """The gradients of ``steps`` SGD steps (learning rate 0.01) of ``model`` on ``inputs(step)``,
+    the loss the mean square of its output, torch's seed ``100 + step`` for each step's forward.
+
+    Args:
+        model: the model, made under a fixed seed, so that two runs start alike.
+        inputs: each step's batch, from ``step`` alone (its own generator: the seed may not matter).
+        steps: how many steps.
+        forward: the context each forward runs in (an offloader, a held device...).
+        backward: how the loss is taken back through ``model``; None for ``loss.backward()``.
+        after_step: a check run after each step (an offloader's budgets).
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    gradients = []
+    for step in range(steps):
+        batch = inputs(step)
+        torch.manual_seed(100 + step)
+        optimizer.zero_grad(set_to_none=True)
+        with forward():
+            loss = model(batch).float().pow(2).mean()
+        if backward is None:
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+        else:
+            backward(loss, model)
+        gradients.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+    return gradients
+
+
+def assert_same_gradients(expected: Gradients, got: Gradients, message: str = "gradients differ") -> None:
+    """Fail unless each step's gradients are equal to the bit; the message names the first step that
+    differs and by how much."""
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        assert len(want) == len(have)
+        for a, b in zip(want, have, strict=True):
+            assert torch.equal(a, b), f"step {step + 1}: {message} by {(a - b).abs().max()}"

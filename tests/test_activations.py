@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,8 @@ from torch import nn
 
 from tierstore import ConfigError, NamespaceInUseError, Tier, TierStore
 from tierstore.app.demo import GPT, Block
+
+from .helpers import assert_same_gradients, sgd_gradients, small_llama_config
 
 LENGTH = 32
 KIB = 1024
@@ -71,6 +72,14 @@ def train_grads(
 
 def activation_keys(store: TierStore) -> list[str]:
     return [key for key in store if key.startswith("activations/")]
+
+
+def assert_all_given_back(offload: ActivationOffload) -> None:
+    """Once the copies in flight end, the offloader holds no memory and no object on the store."""
+    offload.synchronize()
+    stats = offload.stats()
+    assert stats["resident_bytes"] == 0 and stats["device_bytes"] == 0
+    assert activation_keys(offload.store) == []
 
 
 @pytest.mark.parametrize("plan", ["all", "lifetime"])
@@ -163,9 +172,7 @@ def test_a_failed_backward_leaks_neither_memory_nor_objects(store: TierStore) ->
     gc.collect()
     # PyTorch holds a failed backward's graph until the thread's next backward: reset() lets go now.
     offload.reset()
-    offload.synchronize()
-    assert activation_keys(store) == []
-    assert offload.stats()["resident_bytes"] == 0
+    assert_all_given_back(offload)
 
 
 def test_the_next_step_frees_what_a_failed_backward_held(store: TierStore) -> None:
@@ -181,9 +188,7 @@ def test_the_next_step_frees_what_a_failed_backward_held(store: TierStore) -> No
     hook.remove()
     train_grads(model, offload, steps=1)
     gc.collect()
-    offload.synchronize()
-    assert activation_keys(store) == []
-    assert offload.stats()["resident_bytes"] == 0
+    assert_all_given_back(offload)
 
 
 def test_a_failed_forward_leaks_neither_memory_nor_objects(store: TierStore) -> None:
@@ -333,22 +338,15 @@ def stepped_grads(
     """Gradients of ``steps`` SGD steps of a fresh ``make()`` (seeded) on ``inputs(step)``; with an
     offloader, its resident bytes are checked against the budget after every step."""
     torch.manual_seed(0)
-    model = make()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    grads = []
-    for step in range(steps):
-        batch = inputs(step)
-        torch.manual_seed(100 + step)
-        optimizer.zero_grad(set_to_none=True)
-        with offload if offload is not None else contextlib.nullcontext():
-            output = model(batch)
-            loss = output.float().pow(2).mean()
-        backward(loss, model)
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        optimizer.step()
-        if offload is not None:
-            assert offload.stats()["peak_resident_bytes"] <= offload.budget
-    return grads
+    if offload is None:
+        return sgd_gradients(make(), inputs, steps, backward=backward)
+
+    def within_budget() -> None:
+        assert offload.stats()["peak_resident_bytes"] <= offload.budget
+
+    return sgd_gradients(
+        make(), inputs, steps, forward=lambda: offload, backward=backward, after_step=within_budget
+    )
 
 
 def assert_exact_with_offload(
@@ -359,11 +357,7 @@ def assert_exact_with_offload(
     backward: Backward = plain_backward,
 ) -> None:
     expected = stepped_grads(make, inputs, None, steps, backward)
-    got = stepped_grads(make, inputs, offload, steps, backward)
-    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
-        assert len(want) == len(have)
-        for a, b in zip(want, have, strict=True):
-            assert torch.equal(a, b), f"step {step + 1}: gradients differ by {(a - b).abs().max()}"
+    assert_same_gradients(expected, stepped_grads(make, inputs, offload, steps, backward))
     offload.synchronize()
     stats = offload.stats()
     assert stats["spilled_bytes"] > 0
@@ -591,16 +585,7 @@ class CausalLM(nn.Module):
         super().__init__()
         transformers = pytest.importorskip("transformers")
         if family == "llama":
-            config = transformers.LlamaConfig(
-                vocab_size=128,
-                hidden_size=64,
-                intermediate_size=256,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                attn_implementation="eager",
-            )
-            self.model = transformers.LlamaForCausalLM(config)
+            self.model = transformers.LlamaForCausalLM(small_llama_config())
         else:
             config = transformers.GPT2Config(
                 vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0

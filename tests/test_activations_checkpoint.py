@@ -20,7 +20,7 @@ from torch import nn
 
 from tierstore import ConfigError, Tier, TierStore
 
-from .helpers import run_ranks
+from .helpers import assert_same_gradients, run_ranks, sgd_gradients
 from .test_activations import CausalLM, activation_keys, stepped_grads
 from .test_activations_device import enable_checkpointing, tokens_of
 
@@ -71,12 +71,6 @@ def stack_inputs(step: int) -> torch.Tensor:
     return torch.randn(16, 64, WIDTH, generator=torch.Generator().manual_seed(step), requires_grad=True)
 
 
-def assert_same(expected: list[list[torch.Tensor]], got: list[list[torch.Tensor]]) -> None:
-    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
-        for a, b in zip(want, have, strict=True):
-            assert torch.equal(a, b), f"step {step + 1}: gradients differ by {(a - b).abs().max()}"
-
-
 @pytest.mark.parametrize("plan", ["all", "lifetime"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_only_the_inputs_of_checkpointed_regions_leave_and_gradients_stay_exact(
@@ -90,8 +84,8 @@ def test_only_the_inputs_of_checkpointed_regions_leave_and_gradients_stay_exact(
     )
     plain = stepped_grads(lambda: Stack(None, reentrant), stack_inputs, None, steps=4)
     got = stepped_grads(lambda: Stack(offload.checkpoint, reentrant), stack_inputs, offload, steps=4)
-    assert_same(recomputed, got)
-    assert_same(plain, got)  # recompute itself changes no bit here
+    assert_same_gradients(recomputed, got)
+    assert_same_gradients(plain, got)  # recompute itself changes no bit here
     offload.synchronize()
     stats = offload.stats()
     region_input = 16 * 64 * WIDTH * 4
@@ -123,15 +117,7 @@ def test_a_hugging_face_llama_under_its_gradient_checkpointing(store: TierStore,
     torch.manual_seed(0)
     model = checkpointed()
     attachment = offload.attach(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    got = []
-    for step in range(3):
-        torch.manual_seed(100 + step)
-        optimizer.zero_grad(set_to_none=True)
-        model(tokens_of(step)).float().pow(2).mean().backward()
-        got.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        optimizer.step()
-    assert_same(expected, got)
+    assert_same_gradients(expected, sgd_gradients(model, tokens_of, 3))
     stats = offload.stats()
     layers, hidden = 2, 4 * 64 * 64 * 4  # two decoder layers; hidden states of (4, 64, 64) fp32
     if scope == "checkpoint-inputs":

@@ -31,6 +31,7 @@ from torch import nn
 from tierstore import Tier, TierStore
 from tierstore.testing.device import SimulatedModelDevice
 
+from .helpers import assert_same_gradients, sgd_gradients
 from .test_activations import (
     BatchNormTwice,
     CausalLM,
@@ -39,6 +40,7 @@ from .test_activations import (
     Recurrent,
     TwoLayers,
     activation_keys,
+    assert_all_given_back,
     inputs_of,
     stepped_grads,
 )
@@ -74,34 +76,14 @@ def device_grads(
     held: bool = True,
 ) -> list[list[torch.Tensor]]:
     """As ``stepped_grads`` with an offloader, forward held (no copy runs in it) if ``held``."""
-    torch.manual_seed(0)
-    model = make()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    grads = []
-    for step in range(steps):
-        batch = inputs(step)
-        torch.manual_seed(100 + step)
-        optimizer.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
         with sim.hold() if held else contextlib.nullcontext(), offload:
-            loss = model(batch).float().pow(2).mean()
-        loss.backward()
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        optimizer.step()
-    return grads
+            yield
 
-
-def assert_same(expected: list[list[torch.Tensor]], got: list[list[torch.Tensor]]) -> None:
-    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
-        assert len(want) == len(have)
-        for a, b in zip(want, have, strict=True):
-            assert torch.equal(a, b), f"step {step + 1}: gradients differ by {(a - b).abs().max()}"
-
-
-def assert_all_given_back(offload: ActivationOffload) -> None:
-    offload.synchronize()
-    stats = offload.stats()
-    assert stats["resident_bytes"] == 0 and stats["device_bytes"] == 0
-    assert activation_keys(offload.store) == []
+    torch.manual_seed(0)
+    return sgd_gradients(make(), inputs, steps, forward=forward)
 
 
 def linear_stack() -> nn.Module:
@@ -156,7 +138,7 @@ def test_stock_modules_stay_exact_when_every_copy_runs_after_forward(
     statistics again, and so on; backward still gets exactly what was saved."""
     offload = ActivationOffload(store, budget="64MiB", min_bytes=min_bytes, plan=plan)
     expected = stepped_grads(make, inputs_of(*shape), None, steps=3)
-    assert_same(expected, device_grads(make, inputs_of(*shape), offload, sim))
+    assert_same_gradients(expected, device_grads(make, inputs_of(*shape), offload, sim))
     stats = offload.stats()
     assert stats["host_bytes"] > 0 and stats["spilled_bytes"] == 0  # host memory held them all
     assert_all_given_back(offload)
@@ -244,7 +226,9 @@ def test_device_memory_stays_within_the_device_budget(store: TierStore, sim: Sim
     offload = ActivationOffload(store, budget="64MiB", device_budget=budget, min_bytes=64 * KIB, plan="all")
 
     expected = stepped_grads(linear_stack, inputs_of(512, 256), None, steps=2)
-    assert_same(expected, device_grads(linear_stack, inputs_of(512, 256), offload, sim, steps=2, held=False))
+    assert_same_gradients(
+        expected, device_grads(linear_stack, inputs_of(512, 256), offload, sim, steps=2, held=False)
+    )
     stats = offload.stats()
     assert 0 < stats["peak_device_bytes"] <= budget < stats["step_saved_bytes"]
     assert_all_given_back(offload)
@@ -358,7 +342,9 @@ def test_the_lifetime_plan_of_a_device_step_is_timed_on_its_clock(
 ) -> None:
     offload = ActivationOffload(store, budget="64MiB", min_bytes=64 * KIB, plan="lifetime")
     expected = stepped_grads(TwoLayers, inputs_of(512, 256), None, steps=4)
-    assert_same(expected, device_grads(TwoLayers, inputs_of(512, 256), offload, sim, steps=4, held=False))
+    assert_same_gradients(
+        expected, device_grads(TwoLayers, inputs_of(512, 256), offload, sim, steps=4, held=False)
+    )
     assert offload.stats()["plans_built"] == 1
     explained = offload.plan_explain()
     assert "timed on the device's clock" in explained and "#0" in explained
@@ -433,7 +419,7 @@ def test_checkpoint_inputs_on_a_device_are_exact(store: TierStore, sim: Simulate
         got.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
         optimizer.step()
     attachment.remove()
-    assert_same(expected, got)
+    assert_same_gradients(expected, got)
     stats = offload.stats()
     assert stats["host_bytes"] > 0 and stats["outside_checkpoint_bytes"] > 0
     assert_all_given_back(offload)

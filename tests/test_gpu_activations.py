@@ -25,7 +25,8 @@ from torch import nn
 
 from tierstore import Tier, TierStore
 
-from .test_activations import CausalLM, CellLoop, activation_keys
+from .helpers import Gradients, assert_same_gradients, sgd_gradients
+from .test_activations import CausalLM, CellLoop, assert_all_given_back
 from .test_activations_device import enable_checkpointing
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
@@ -38,7 +39,6 @@ pytestmark = [
 ]
 
 MIB = 1 << 20
-Grads = list[list[torch.Tensor]]
 
 
 @pytest.fixture(autouse=True)
@@ -60,60 +60,42 @@ def cuda_grads(
     inputs: Callable[[int], torch.Tensor],
     offload: ActivationOffload | None,
     steps: int = 3,
-) -> Grads:
+) -> Gradients:
     """Gradients of ``steps`` SGD steps of a fresh ``make()`` on the GPU; with an offloader, its
     budgets are checked after every step."""
     torch.manual_seed(0)
     model = make().cuda()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    grads = []
-    for step in range(steps):
-        batch = inputs(step).cuda()
-        torch.manual_seed(100 + step)
-        optimizer.zero_grad(set_to_none=True)
-        if offload is None:
-            loss = model(batch).float().pow(2).mean()
-        else:
-            with offload:
-                loss = model(batch).float().pow(2).mean()
-        loss.backward()
-        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        optimizer.step()
-        if offload is not None:
+    if offload is None:
+        grads = sgd_gradients(model, lambda step: inputs(step).cuda(), steps)
+    else:
+
+        def within_budgets() -> None:
             stats = offload.stats()
             assert stats["peak_resident_bytes"] <= offload.budget
             assert stats["peak_device_bytes"] <= offload.device_budget
+
+        grads = sgd_gradients(
+            model, lambda step: inputs(step).cuda(), steps, forward=lambda: offload, after_step=within_budgets
+        )
     torch.cuda.synchronize()
     return grads
 
 
-def reference(make: Callable[[], nn.Module], inputs: Callable[[int], torch.Tensor], steps: int = 3) -> Grads:
+def reference(
+    make: Callable[[], nn.Module], inputs: Callable[[int], torch.Tensor], steps: int = 3
+) -> Gradients:
     """The gradients without offload (once per model), which must reproduce themselves."""
     key = (make, inputs, steps)
     if key not in REFERENCES:
         first, second = cuda_grads(make, inputs, None, steps), cuda_grads(make, inputs, None, steps)
-        assert_same(
+        assert_same_gradients(
             first, second, "two runs without offload differ: this node's kernels are not deterministic"
         )
         REFERENCES[key] = first
     return REFERENCES[key]
 
 
-REFERENCES: dict[tuple[object, ...], Grads] = {}
-
-
-def assert_same(expected: Grads, got: Grads, message: str = "gradients differ") -> None:
-    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
-        assert len(want) == len(have)
-        for a, b in zip(want, have, strict=True):
-            assert torch.equal(a, b), f"step {step + 1}: {message} by {(a - b).abs().max()}"
-
-
-def assert_all_given_back(offload: ActivationOffload) -> None:
-    offload.synchronize()
-    stats = offload.stats()
-    assert stats["resident_bytes"] == 0 and stats["device_bytes"] == 0
-    assert activation_keys(offload.store) == []
+REFERENCES: dict[tuple[object, ...], Gradients] = {}
 
 
 def inputs_of(*shape: int) -> Callable[[int], torch.Tensor]:
@@ -154,7 +136,7 @@ def test_gradients_are_bit_identical_to_no_offload(store: TierStore, name: str, 
     make, inputs, min_bytes = MODELS[name]
     expected = reference(make, inputs)
     offload = ActivationOffload(store, budget="256MiB", min_bytes=min_bytes, plan=plan)
-    assert_same(expected, cuda_grads(make, inputs, offload))
+    assert_same_gradients(expected, cuda_grads(make, inputs, offload))
     stats = offload.stats()
     if plan != "none":
         assert stats["host_bytes"] > 0 and stats["snapshot_bytes"] < stats["host_bytes"]
@@ -165,7 +147,7 @@ def test_beyond_host_memory_captures_spill_to_storage_exactly(store: TierStore) 
     """A host budget of 1 MiB for a Llama that saves several: the oldest captures go to the store."""
     expected = reference(llama, tokens)
     offload = ActivationOffload(store, budget="1MiB", min_bytes="64KiB", plan="all")
-    assert_same(expected, cuda_grads(llama, tokens, offload))
+    assert_same_gradients(expected, cuda_grads(llama, tokens, offload))
     stats = offload.stats()
     assert stats["spilled_bytes"] > 0 and stats["read_bytes"] + stats["forwarded_bytes"] > 0
     assert_all_given_back(offload)
@@ -180,16 +162,9 @@ def test_checkpointed_inputs_only_are_exact(store: TierStore, plan: Plan) -> Non
     torch.manual_seed(0)
     model = checkpointed_llama().cuda()
     attachment = offload.attach(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    got = []
-    for step in range(3):
-        torch.manual_seed(100 + step)
-        optimizer.zero_grad(set_to_none=True)
-        model(tokens(step).cuda()).float().pow(2).mean().backward()
-        got.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        optimizer.step()
+    got = sgd_gradients(model, lambda step: tokens(step).cuda(), 3)
     attachment.remove()
-    assert_same(expected, got)
+    assert_same_gradients(expected, got)
     assert offload.stats()["host_bytes"] > 0 and offload.stats()["outside_checkpoint_bytes"] > 0
     assert_all_given_back(offload)
 
@@ -197,7 +172,7 @@ def test_checkpointed_inputs_only_are_exact(store: TierStore, plan: Plan) -> Non
 def test_a_small_device_budget_bounds_what_the_offloader_holds_on_the_gpu(store: TierStore) -> None:
     expected = reference(llama, tokens)
     offload = ActivationOffload(store, budget="256MiB", device_budget="1MiB", min_bytes="64KiB", plan="all")
-    assert_same(expected, cuda_grads(llama, tokens, offload))
+    assert_same_gradients(expected, cuda_grads(llama, tokens, offload))
     assert 0 < offload.stats()["peak_device_bytes"] <= MIB
     assert_all_given_back(offload)
 
@@ -216,7 +191,7 @@ def test_a_forward_whose_output_is_discarded_with_grad_enabled(store: TierStore)
     gc.collect()
     assert_all_given_back(offload)
     assert offload.stats()["host_bytes"] > 0
-    assert_same(expected, cuda_grads(llama, tokens, offload))
+    assert_same_gradients(expected, cuda_grads(llama, tokens, offload))
     assert_all_given_back(offload)
 
 

@@ -27,6 +27,8 @@ from tierstore.integrations import huggingface
 
 from tierstore import ConfigError
 
+from .helpers import small_llama_config
+
 PTH = Path(huggingface.__file__).with_name("tierstore-activations.pth")
 CHECKPOINTING = (
     "activation_checkpointing"
@@ -47,16 +49,7 @@ def train(output_dir: Path) -> list[float]:
                 losses.append(float(logs["loss"]))
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="eager",  # type: ignore[call-arg]  # a keyword of PretrainedConfig's
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(small_llama_config())
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 128, (24, 64), generator=generator)
     data = [{"input_ids": row, "labels": row} for row in rows]
