@@ -155,15 +155,7 @@ def activations_callback() -> type[Any]:
             chosen = settings()
             store = TierStore.from_config(chosen.store)
             try:
-                options = chosen.options
-                self.offload = ActivationOffload(
-                    store,
-                    budget=int(options.budget),
-                    min_bytes=int(options.min_bytes),
-                    plan=options.plan,
-                    device_budget=int(options.device_budget),
-                    scope=options.scope,
-                )
+                self.offload = ActivationOffload(store, **chosen.options.model_dump())
             except BaseException:
                 store.close()
                 raise

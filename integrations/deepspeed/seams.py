@@ -76,14 +76,7 @@ def offload_activations(engine: Any, settings: ActivationsSection) -> Activation
     """Spill what the engine's forward saves for backward through the optimizer's store (one store,
     one set of tiers and limits for both workloads); ``engine.tierstore_activations`` holds it."""
     store = engine.optimizer.optimizer_swapper.store
-    offload = ActivationOffload(
-        store,
-        budget=settings.budget,
-        min_bytes=settings.min_bytes,
-        plan=settings.plan,
-        device_budget=settings.device_budget,
-        scope=settings.scope,
-    )
+    offload = ActivationOffload(store, **settings.model_dump())
     forward = engine.forward
 
     @functools.wraps(forward)
