@@ -19,6 +19,7 @@ from pathlib import Path
 RATE = 100
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("checksums", re.compile(r"^(digest|xxh3\w*) ")),
+    ("state packing", re.compile(r"^[\w.]+ \(.*state_precision\.py")),
     ("adam kernel", re.compile(r"^(\w+\.)?(_update|_adamw) \(.*(adamw|apollo)\.py")),
     ("gradient conversion", re.compile(r"^(\w+\.)?(_gradients|_?gradient_chunks|_scaled) \(")),
     ("gradient norm", re.compile(r"^(\w+\.)?_gradient_coefficient \(")),
