@@ -415,7 +415,7 @@ def sgd_gradients(
         with forward():
             loss = model(batch).float().pow(2).mean()
         if backward is None:
-            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+            loss.backward()
         else:
             backward(loss, model)
         gradients.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
