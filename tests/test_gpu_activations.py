@@ -1,6 +1,6 @@
 """Activation offload on a real GPU: every test here is marked ``gpu`` and skips without CUDA (the
 same ordering and lifetimes are tested on a simulated device in tests/test_activations_device.py;
-the speed and memory are measured by ``benchmarks/bench_activations.py --device cuda``).
+the speed and memory are measured by ``python -m benchmarks.bench_activations --device cuda``).
 
 Gradients must be bit-identical to a run without offload: cuBLAS is made deterministic
 (``CUBLAS_WORKSPACE_CONFIG``, set before any test runs) and cuDNN too (per test); each reference

@@ -1,7 +1,7 @@
 """The offloaded optimizers over parameters on a GPU (the device path), against torch's own AdamW on
 the same GPU: every test here is marked ``gpu`` and skips without CUDA (the pipeline's order and
 lifetimes are tested on a simulated device in tests/test_device_optimizer.py; its speed is
-measured by ``benchmarks/bench_optimizer.py --device cuda``).
+measured by ``python -m benchmarks.bench_optimizer --device cuda``).
 
 Run them with ``pytest -m gpu`` on a GPU node, or through the GPU check (``tools/gpu_check.py``).
 """
