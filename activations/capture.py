@@ -3,17 +3,17 @@
 A tensor autograd saves is often a view, and its storage is often written again after the save
 *outside* the view, legally and without any version bump: torch's RNN cells split one gate
 projection with ``unsafe_chunk`` and finish each chunk in place (``sigmoid_``, ``tanh_``), and
-BatchNorm updates its running statistics inside its kernel. So the offloader never writes a
-storage that forward may still be changing: at the save it copies exactly the bytes the view
-covers (a :class:`Capture`), and backward gets a tensor rebuilt from that copy with the view's
-dtype, shape and strides.
+BatchNorm updates its running statistics inside its kernel. So the offloader never writes a storage
+that forward may still be changing: at the save it copies exactly the bytes the view covers (a
+`Capture`), and backward gets a tensor rebuilt from that copy with the view's dtype, shape and
+strides.
 
-* A view whose elements fill one contiguous byte range (a dense tensor in any dimension order, or
-  an overlapping one such as an expanded tensor) is captured as that range, from the boundary
-  below its first byte of the alignment the tensor's allocator gives every storage
-  (:data:`HOST_ALIGN` on the CPU, :data:`DEVICE_ALIGN` on a CUDA device): the rebuilt tensor has
-  the original's strides and its address modulo that alignment, so kernels take the same paths
-  (a kernel may be chosen by its operands' alignment) and give the same bits.
+* A view whose elements fill one contiguous byte range (a dense tensor in any dimension order, or an
+  overlapping one such as an expanded tensor) is captured as that range, from the boundary below its
+  first byte of the alignment the tensor's allocator gives every storage (`HOST_ALIGN` on the CPU,
+  `DEVICE_ALIGN` on a CUDA device): the rebuilt tensor has the original's strides and its address
+  modulo that alignment, so kernels take the same paths (a kernel may be chosen by its operands'
+  alignment) and give the same bits.
 * A view with gaps (one chunk of a gate projection, ``q`` of a fused ``qkv``) is captured
   compactly, its elements only, laid out densely in the view's own dimension order (as
   ``torch.empty_like`` lays it out): several chunks of one storage cost their own bytes, never the

@@ -1,6 +1,6 @@
 """The copies between a device (a CUDA GPU) and the offloader's pinned host memory, on the store's
-device layer (:mod:`tierstore.device`: one copy stream per device, ordered with the caller's
-stream by events, and every copy's memory held until the copy has ended).
+device layer (`tierstore.device`: one copy stream per device, ordered with the caller's stream by
+events, and every copy's memory held until the copy has ended).
 
 * out (at a save): the captured bytes are copied to pinned host memory on the copy stream, after
   an event recorded on the caller's stream at the save, so after the kernel that produced them.
@@ -17,32 +17,32 @@ stream by events, and every copy's memory held until the copy has ended).
   copied within device memory on the caller's stream (a *snapshot*, in order with the kernels
   around it) and then from the snapshot.
 * back (ahead of a use): pinned host memory is copied into new memory of the copy stream
-  (:meth:`~tierstore.device.DeviceCopies.fetch`), waiting for no other stream; at the use the
+  ([`fetch`][tierstore.device.DeviceCopies.fetch]), waiting for no other stream; at the use the
   caller's stream waits for the copy's end event, and the memory is marked as used by that stream
-  for the caching allocator (:meth:`~tierstore.device.DeviceCopies.hand_over`).
+  for the caching allocator ([`hand_over`][tierstore.device.DeviceCopies.hand_over]).
 
-Neither direction makes the caller's stream or the forward thread wait for the host. Every copy
-is timed on the device's clock (its :class:`~tierstore.device.Transfer`'s ``seconds``): the bus
-bandwidth the plan and the step report use.
+Neither direction makes the caller's stream or the forward thread wait for the host. Every copy is
+timed on the device's clock (its [`Transfer`][]'s ``seconds``): the bus bandwidth the plan and the
+step report use.
 
 The lifetime of every buffer and event of a saved tensor of a device:
 
 * the *caller event*, recorded on the compute stream at the save (after the producing kernel): the
   copy stream waits for it before the copy out; held until that copy is queued;
-* the *copy out* (a timed :class:`~tierstore.device.Transfer` on the copy stream): it holds the
-  saved tensor (or its snapshot) and the pinned lease it fills until its end event has completed
-  and a reap has seen it (the background thread waits for each), never shorter; then its
-  ``on_end`` checks the saved tensor's version and lets go of the device memory, unless the entry
-  stays on the device (then ``Entry.source`` holds it until the entry dies);
+* the *copy out* (a timed [`Transfer`][] on the copy stream): it holds the saved tensor (or its
+  snapshot) and the pinned lease it fills until its end event has completed and a reap has seen it
+  (the background thread waits for each), never shorter; then its ``on_end`` checks the saved
+  tensor's version and lets go of the device memory, unless the entry stays on the device (then
+  ``Entry.source`` holds it until the entry dies);
 * the *pinned lease* (``Entry.data``): from the save until the entry's write ends (a spilled
   capture, unless read-ahead hands it back) or until the entry dies (a capture kept in host
   memory); a copy in flight that reads or writes it holds it longer, so its pages return to the
   pool only after that copy's end event, also when autograd let go of the entry earlier;
-* the *copy back* (a timed transfer into new memory of the copy stream, :meth:`DeviceCopies.fetch
-  <tierstore.device.DeviceCopies.fetch>`): it holds the lease until its end event; the restored
-  memory is held by ``Entry.restored`` until the entry's last handle is served, and by the
-  rebuilt tensors afterwards; at each use the compute stream waits for the copy's end event and
-  the memory is marked as used by it (``record_stream``), so that it is reused only after that use;
+* the *copy back* (a timed transfer into new memory of the copy stream, [`DeviceCopies.fetch`][]):
+  it holds the lease until its end event; the restored memory is held by ``Entry.restored`` until
+  the entry's last handle is served, and by the rebuilt tensors afterwards; at each use the compute
+  stream waits for the copy's end event and the memory is marked as used by it (``record_stream``),
+  so that it is reused only after that use;
 * the *timed marks* on the compute stream (at the step's first save of a device tensor, each save,
   the end of forward, each first use, around each wait at a use): kept by the step until its
   report and profile are taken from them.
@@ -92,7 +92,7 @@ def to_host(
         capture: which of its bytes.
         host: where they go.
         on_end: called once the copy has ended.
-        snapshot: copy the bytes within device memory first (:func:`needs_snapshot`).
+        snapshot: copy the bytes within device memory first (`needs_snapshot`).
 
     Returns:
         The transfer (``host`` holds the bytes once it has ended; it holds the bytes it reads

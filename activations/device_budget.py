@@ -39,8 +39,8 @@ class DeviceBudget:
         """Copies to host memory, oldest first (those that have ended are pruned from the left)."""
 
     def check_fits(self, nbytes: int, tensor: torch.Tensor) -> None:
-        """Refuse a saved tensor of a device larger than the whole budget, with a
-        :class:`ConfigError` naming ``device_budget``."""
+        """Refuse a saved tensor of a device larger than the whole budget, with a [`ConfigError`][]
+        naming ``device_budget``."""
         if nbytes > self.budget:
             raise ConfigError(
                 f"device_budget: {self.budget} bytes cannot hold one saved tensor of "

@@ -1,10 +1,9 @@
 """What the offloader records of each step and of each capture it holds, and the captures' states.
 
-A :class:`Step` is one forward (one ``with`` block) and the backward that consumes it; an
-:class:`Entry` is one capture of that step (one or several saves of the same bytes): in memory,
-being written, spilled, or being read back; for a saved tensor of a device also on the device,
-being copied to host memory, or being copied back. Every field is read and written under the
-offloader's lock.
+A `Step` is one forward (one ``with`` block) and the backward that consumes it; an `Entry` is one
+capture of that step (one or several saves of the same bytes): in memory, being written, spilled, or
+being read back; for a saved tensor of a device also on the device, being copied to host memory, or
+being copied back. Every field is read and written under the offloader's lock.
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ class Step:
         return self.policy.placement(index, device=device)
 
     def add(self, entry: Entry) -> None:
-        """Record a new capture, placed by :meth:`place`."""
+        """Record a new capture, placed by `place`."""
         self.entries.append(entry)
 
     def end_forward(self) -> None:
@@ -132,7 +131,7 @@ class Entry:
     data: torch.Tensor | None = None
     """The captured bytes (uint8, pool memory) while the offloader holds them."""
     io: torch.Tensor | None = None
-    """The same bytes for the store's reads and writes (a :class:`~tierstore.buffers.Lease`'s)."""
+    """The same bytes for the store's reads and writes (a `Lease`'s)."""
     spill: bool = True
     """Written to the store; otherwise kept in memory until autograd frees it (the plan's keep,
     or a device's capture kept in host memory first), or left on its device."""

@@ -1,13 +1,13 @@
 """The saved-tensor hooks and the lifetimes of what autograd keeps.
 
-``pack`` runs in forward for every tensor an operation saves and returns a :class:`Handle`;
-``unpack`` runs in backward and returns the tensor. Parameters and views of them, tensors under
-``min_bytes`` and tensors without plain memory of their own stay as autograd keeps them, and so,
-with the ``checkpoint-inputs`` scope, does every tensor saved outside the inputs of a checkpointed
-region (:meth:`SavedTensorHooks.region_inputs`); the others are captured (:mod:`.capture`), two
-saves of the same bytes sharing one capture. Each capture lives exactly as long as autograd's
-handles to it (a retained graph reads it again): its memory and its store object go once the graph
-frees them, after backward or when a failed step's graph is dropped.
+``pack`` runs in forward for every tensor an operation saves and returns a `Handle`; ``unpack`` runs
+in backward and returns the tensor. Parameters and views of them, tensors under ``min_bytes`` and
+tensors without plain memory of their own stay as autograd keeps them, and so, with the
+``checkpoint-inputs`` scope, does every tensor saved outside the inputs of a checkpointed region
+(`SavedTensorHooks.region_inputs`); the others are captured (`capture`), two saves of the same bytes
+sharing one capture. Each capture lives exactly as long as autograd's handles to it (a retained
+graph reads it again): its memory and its store object go once the graph frees them, after backward
+or when a failed step's graph is dropped.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class Handle:
 
 
 class SavedTensorHooks:
-    """``pack`` and ``unpack`` for :func:`torch.autograd.graph.saved_tensors_hooks`, and the end of
-    each entry's life.
+    """``pack`` and ``unpack`` for `torch.autograd.graph.saved_tensors_hooks`, and the end of each
+    entry's life.
 
     Args:
         transfers: captures, writes and reads, and the copies to and from a saved tensor's

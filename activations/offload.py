@@ -1,20 +1,20 @@
 """Spill the tensors autograd saves in forward to a TierStore, and stage them back for backward.
 
-The mechanism is :func:`torch.autograd.graph.saved_tensors_hooks`: ``pack`` runs in forward for
-every tensor an operation saves and returns a handle; ``unpack`` runs in backward and returns the
-tensor. On top of it, SSDTrain's mechanics:
+The mechanism is `torch.autograd.graph.saved_tensors_hooks`: ``pack`` runs in forward for every
+tensor an operation saves and returns a handle; ``unpack`` runs in backward and returns the tensor.
+On top of it, SSDTrain's mechanics:
 
 * parameters and views of them are never spilled (``nn.Linear`` saves ``weight.t()``, a view);
   tensors under ``min_bytes`` stay in memory;
 * at the save, the bytes the tensor covers are copied into the offloader's memory (a *capture*,
-  :mod:`.capture`), so what backward gets is exactly what was saved, whatever forward writes into
-  the storage afterwards; two saves of the same bytes share one capture and are spilled once;
+  `capture`), so what backward gets is exactly what was saved, whatever forward writes into the
+  storage afterwards; two saves of the same bytes share one capture and are spilled once;
 * all memory the offloader uses, captures being written and bytes read back, is lent from one
-  staging area of ``budget`` bytes (:meth:`TierStore.staging`, reserved from the store's memory
+  staging area of ``budget`` bytes ([`TierStore.staging`][], reserved from the store's memory
   ledger), page-aligned so the store reads and writes it with O_DIRECT as it is, and reused from
-  step to step; a tensor rebuilt for backward shares its pool memory, which returns to the pool
-  when autograd lets go of the tensor. The process holds ``budget`` for saved activations, and
-  nothing that grows with the spilled bytes;
+  step to step; a tensor rebuilt for backward shares its pool memory, which returns to the pool when
+  autograd lets go of the tensor. The process holds ``budget`` for saved activations, and nothing
+  that grows with the spilled bytes;
 * writes are asynchronous: forward goes on at once and the capture returns to the pool when the
   write completes; forward waits only while the pool is full and writes are in flight;
 * a saved tensor of a device (a CUDA GPU) goes to host memory first and to storage only beyond the
@@ -35,34 +35,32 @@ backward), does a read go to ordinary memory, or a save stay where it is, instea
 ever; ``stats()["overflow_bytes"]`` counts those bytes.
 
 TERAIO's lifetime-aware plan (``plan="lifetime"``): the first steps spill everything and profile
-each saved tensor's size, save time and first use (two steps saving the same sequence: the first
-one warms up); :func:`tierstore.activations.replay.plan_spill` then decides which to keep in memory
-(the short-lived ones of the last layers) by replaying the step with the tier's measured bandwidths.
-The plan is reused while the sequence of saved tensors stays the same and rebuilt from a fresh
-profile when it changes. What is spilled, the order of the reads and how room is made are decided
-by one :class:`~tierstore.activations.spill_policy.SpillPolicy`, which the replay follows too: the plan
-predicts what the runtime does by construction.
+each saved tensor's size, save time and first use (two steps saving the same sequence: the first one
+warms up); `tierstore.activations.replay.plan_spill` then decides which to keep in memory (the
+short-lived ones of the last layers) by replaying the step with the tier's measured bandwidths. The
+plan is reused while the sequence of saved tensors stays the same and rebuilt from a fresh profile
+when it changes. What is spilled, the order of the reads and how room is made are decided by one
+`SpillPolicy`, which the replay follows too: the plan predicts what the runtime does by
+construction.
 
 On a device the pool is pinned (from the first save of a device tensor) and the copies between
 device and host run on a copy stream of the device layer, in both directions overlapped with the
-compute (:mod:`.cuda`, :mod:`tierstore.device`): a saved tensor is copied out after the kernel
-that produced it and held (never snapshotted, unless it is outside autograd's graph) until its
-copy has ended, within ``device_budget`` (forward waits for the oldest copy while the budget is
-full); backward's tensors are copied back ahead of their use into memory of the copy stream,
-within the same budget, and the compute stream waits for a copy only at its use. A tensor whose
-copy out has not ended when forward ends stays on the device. Profiles of a device's steps are
-timed on its clock.
+compute (`cuda`, `tierstore.device`): a saved tensor is copied out after the kernel that produced it
+and held (never snapshotted, unless it is outside autograd's graph) until its copy has ended, within
+``device_budget`` (forward waits for the oldest copy while the budget is full); backward's tensors
+are copied back ahead of their use into memory of the copy stream, within the same budget, and the
+compute stream waits for a copy only at its use. A tensor whose copy out has not ended when forward
+ends stays on the device. Profiles of a device's steps are timed on its clock.
 
 With ``scope="checkpoint-inputs"`` only the inputs of checkpointed regions are taken
-(:meth:`ActivationOffload.checkpoint`, or a Hugging Face model's gradient checkpointing through
-:meth:`ActivationOffload.attach`): recompute and offload combined, the memory floor of
-recomputation for a small share of the traffic.
+([`ActivationOffload.checkpoint`][], or a Hugging Face model's gradient checkpointing through
+[`ActivationOffload.attach`][]): recompute and offload combined, the memory floor of recomputation
+for a small share of the traffic.
 
-:class:`ActivationOffload` puts the parts together: :mod:`.hooks` (the saved-tensor hooks and the
-lifetimes of what autograd keeps), :mod:`.transfers` (admission, writes, reads, copies to and from
-a device and the room they need), :mod:`.planning` (profiles and plans), :mod:`.cuda` (the copies
-to and from a device), :mod:`.entries` (what is recorded of each step and capture) and
-:mod:`.report` (what each step moved and cost).
+[`ActivationOffload`][] puts the parts together: `hooks` (the saved-tensor hooks and the lifetimes
+of what autograd keeps), `transfers` (admission, writes, reads, copies to and from a device and the
+room they need), `planning` (profiles and plans), `cuda` (the copies to and from a device),
+`entries` (what is recorded of each step and capture) and `report` (what each step moved and cost).
 """
 
 from __future__ import annotations
@@ -99,14 +97,14 @@ Result = TypeVar("Result")
 class ActivationOffload:
     """Offload the activations saved during a forward pass to ``store`` (see the module docstring).
 
-    Use it as a context manager around forward; backward may run after the block. Entering a
-    closed offloader, or entering one inside its own block, raises :class:`ConfigError`.
-    :meth:`attach` enters the block at each call of a model's forward instead (a training loop
-    written elsewhere), and :meth:`checkpoint` marks the inputs of checkpointed regions.
+    Use it as a context manager around forward; backward may run after the block. Entering a closed
+    offloader, or entering one inside its own block, raises [`ConfigError`][]. [`attach`][] enters
+    the block at each call of a model's forward instead (a training loop written elsewhere), and
+    [`checkpoint`][] marks the inputs of checkpointed regions.
 
     Args:
-        store: where saved tensors are spilled, and whose memory ledger ``budget`` is reserved
-            from; the store stays the caller's (:meth:`close` leaves it open).
+        store: where saved tensors are spilled, and whose memory ledger ``budget`` is reserved from;
+            the store stays the caller's ([`close`][] leaves it open).
         budget: bytes (an int, or text such as ``"512MiB"``) of memory for saved tensors of at
             least ``min_bytes``: captures being written, tensors the plan keeps, and bytes read
             back ahead of backward or being used by it.
@@ -122,7 +120,7 @@ class ActivationOffload:
             those held while their copy to host memory runs, those left on the device, and
             those copied back ahead of backward's use. Forward waits for copies while it is full.
         scope: ``"saved"`` (every tensor autograd saves in the block) or ``"checkpoint-inputs"``
-            (only the inputs of checkpointed regions, see :meth:`checkpoint`; the rest stays as
+            (only the inputs of checkpointed regions, see [`checkpoint`][]; the rest stays as
             autograd keeps it).
 
     Raises:
@@ -275,11 +273,11 @@ class ActivationOffload:
 
     # -- drop-ins ---------------------------------------------------------------------------------
     def checkpoint(self, function: Callable[..., Result], *args: Any, **kwargs: Any) -> Result:
-        """:func:`torch.utils.checkpoint.checkpoint` (the same arguments, reentrant or not: it is
-        torch's, called as given) whose region inputs this offloader takes inside its block; with
+        """`torch.utils.checkpoint.checkpoint` (the same arguments, reentrant or not: it is torch's,
+        called as given) whose region inputs this offloader takes inside its block; with
         ``scope="checkpoint-inputs"`` they are the only tensors it takes. What the region saves
-        inside is recomputed by backward as torch's checkpoint does. Outside the block it is
-        torch's checkpoint alone.
+        inside is recomputed by backward as torch's checkpoint does. Outside the block it is torch's
+        checkpoint alone.
 
         Args:
             function: the region.
@@ -308,7 +306,7 @@ class ActivationOffload:
             module: the model.
 
         Returns:
-            The attachment; :meth:`Attachment.remove` undoes it.
+            The attachment; [`Attachment.remove`][] undoes it.
         """
         pre = module.register_forward_pre_hook(self._forward_starts)
         post = module.register_forward_hook(self._forward_ends, always_call=True)
@@ -334,8 +332,8 @@ class ActivationOffload:
     def mark_regions(self, module: nn.Module) -> None:
         """Make the checkpointing function of every submodule of ``module`` that has one (Hugging
         Face's ``_gradient_checkpointing_func``) mark its regions' inputs for this offloader, as
-        :meth:`checkpoint` does (:meth:`attach` calls it at each forward; a function marked
-        already is left as it is).
+        [`checkpoint`][] does ([`attach`][] calls it at each forward; a function marked already is
+        left as it is).
 
         Args:
             module: the model.
@@ -386,12 +384,11 @@ class ActivationOffload:
             return stats
 
     def report(self) -> dict[str, Any] | None:
-        """What the latest step whose backward is over moved and cost (:mod:`.report`): by link
-        (device to host, host to storage and back), the bytes, the bandwidth they needed to hide
-        behind compute and what the link gave; the seconds the step waited; whether the offload
-        was hidden, and ``line``, all of it in one line. Each step's line also goes to the
-        ``tierstore.activations`` logger (DEBUG), and a step not hidden is said once per plan
-        (WARNING).
+        """What the latest step whose backward is over moved and cost (`report`): by link (device to
+        host, host to storage and back), the bytes, the bandwidth they needed to hide behind compute
+        and what the link gave; the seconds the step waited; whether the offload was hidden, and
+        ``line``, all of it in one line. Each step's line also goes to the ``tierstore.activations``
+        logger (DEBUG), and a step not hidden is said once per plan (WARNING).
 
         Returns:
             The report as plain data, or None before any step's backward is over.
@@ -468,7 +465,7 @@ class ActivationOffload:
 
 
 class Attachment:
-    """An :class:`ActivationOffload` attached to a module (:meth:`ActivationOffload.attach`)."""
+    """An [`ActivationOffload`][] attached to a module ([`ActivationOffload.attach`][])."""
 
     def __init__(
         self,

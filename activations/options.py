@@ -1,6 +1,5 @@
-"""The options of :class:`~tierstore.activations.ActivationOffload`, each defined once: its keyword
-arguments and the DeepSpeed config's ``tierstore.activations`` table validate through
-:class:`ActivationOptions`."""
+"""The options of [`ActivationOffload`][], each defined once: its keyword arguments and the
+DeepSpeed config's ``tierstore.activations`` table validate through `ActivationOptions`."""
 
 from __future__ import annotations
 

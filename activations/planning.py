@@ -9,14 +9,12 @@ which is taken out), since the host only queues the device's work, ahead of it.
 From the profile the plan decides where each saved tensor goes:
 
 * a device's tensor whose copy to host memory and back, at the bus bandwidths measured by the
-  profiled step's copies, takes longer than its lifetime stays on the device
-  (:func:`~tierstore.activations.replay.keep_on_device`, within half the ``device_budget``: the
-  other half is for copies in flight and read-ahead);
-* of the others, :func:`~tierstore.activations.replay.plan_spill` keeps in host memory the ones
-  whose write and read to storage could not hide (the short-lived ones of the last layers),
-  replaying the step under the same :class:`~tierstore.activations.spill_policy.SpillPolicy` the
-  runtime follows, with the tier's measured bandwidths and its striping; when host memory holds
-  them all, none is spilled.
+  profiled step's copies, takes longer than its lifetime stays on the device (`keep_on_device`,
+  within half the ``device_budget``: the other half is for copies in flight and read-ahead);
+* of the others, `plan_spill` keeps in host memory the ones whose write and read to storage could
+  not hide (the short-lived ones of the last layers), replaying the step under the same
+  `SpillPolicy` the runtime follows, with the tier's measured bandwidths and its striping; when host
+  memory holds them all, none is spilled.
 
 The plan is reused while the sequence of saved tensors stays the same and rebuilt from a fresh
 profile when it changes.

@@ -1,12 +1,11 @@
 """The activation spill simulator: one profiled step replayed on a simulated timeline, and the
 plans judged by it.
 
-The I/O model of a pass (:mod:`tierstore.pass_plan`) applied to the other big consumer of training
-memory: tensors saved in forward for backward. A spilled tensor is written while forward goes on
-and read back before backward needs it, on the paths of the tier the store places it on, striped
-as that tier stripes. The replay executes the
-:class:`~tierstore.activations.spill_policy.SpillPolicy` that :mod:`tierstore.activations` executes
-at run time, so its predicted time, by which a plan is judged, follows the runtime's decisions by
+The I/O model of a pass (`tierstore.pass_plan`) applied to the other big consumer of training
+memory: tensors saved in forward for backward. A spilled tensor is written while forward goes on and
+read back before backward needs it, on the paths of the tier the store places it on, striped as that
+tier stripes. The replay executes the `SpillPolicy` that `tierstore.activations` executes at run
+time, so its predicted time, by which a plan is judged, follows the runtime's decisions by
 construction.
 """
 
@@ -78,13 +77,12 @@ def replay_spill(
 ) -> _Replay:
     """Replay one step: what it costs to spill ``spill`` and keep the rest, within ``budget``.
 
-    The step runs under the :class:`~tierstore.activations.spill_policy.SpillPolicy` of a plan
-    that spills ``spill`` and reads back in the profiled use order, as ``tierstore.activations``
-    runs it. Memory is counted as the runtime's pool counts it: a saved tensor is resident from its
-    save (a kept one until its use, a spilled one until its write ends unless read-ahead hands it
-    back), and a spilled tensor again from the start of its read until its use. Writes and reads
-    share the paths in issue order, striped by ``stripe_by`` (the tier's). Bytes that find no room
-    go to ordinary memory (``overflow_bytes``).
+    The step runs under the `SpillPolicy` of a plan that spills ``spill`` and reads back in the
+    profiled use order, as ``tierstore.activations`` runs it. Memory is counted as the runtime's
+    pool counts it: a saved tensor is resident from its save (a kept one until its use, a spilled
+    one until its write ends unless read-ahead hands it back), and a spilled tensor again from the
+    start of its read until its use. Writes and reads share the paths in issue order, striped by
+    ``stripe_by`` (the tier's). Bytes that find no room go to ordinary memory (``overflow_bytes``).
     """
     policy = SpillPolicy(frozenset(spill), tuple(_use_order(spill, tensors)))
     return _StepReplay(paths, budget, tensors, policy, stripe_by).run(compute_seconds)
@@ -96,8 +94,7 @@ def _use_order(spill: Collection[int], tensors: Sequence[SavedTensor]) -> list[i
 
 
 class _StepReplay:
-    """One step on a simulated timeline: the
-    :class:`~tierstore.activations.spill_policy.SpilledTensors` that ``policy`` decides for, with
+    """One step on a simulated timeline: the `SpilledTensors` that ``policy`` decides for, with
     memory counted against ``budget`` and I/O timed on ``paths`` (striped by ``stripe_by``)."""
 
     def __init__(
@@ -264,9 +261,9 @@ def plan_spill(
 
     Start from spilling everything, then keep tensors in order of their shortest lifetime (saved
     late, used early: the last layers, whose write and read can hardly hide behind compute) as long
-    as each one lowers the replayed step time and sends no bytes to ordinary memory (none that
-    the budget could not hold). ``stripe_by`` is the tier's: how its paths share the bytes (see
-    :func:`~tierstore.pass_plan.stripe_weights`).
+    as each one lowers the replayed step time and sends no bytes to ordinary memory (none that the
+    budget could not hold). ``stripe_by`` is the tier's: how its paths share the bytes (see
+    `stripe_weights`).
     """
     if not tensors:  # nothing to spill is a plan too, and needs no bandwidth to make
         return SpillPlan([], frozenset(), [], compute_seconds, compute_seconds, 0.0, 0.0, 0, compute_seconds)
@@ -313,7 +310,7 @@ def keep_on_device(
     tensors: Sequence[SavedTensor], to_host: float, to_device: float, budget: int
 ) -> list[int]:
     """Which saved tensors of a device to leave there, never copied (the third place beside host
-    memory and storage; the choice between those two is :func:`plan_spill`'s).
+    memory and storage; the choice between those two is `plan_spill`'s).
 
     A tensor whose copy to host memory and back, at the bus's measured bandwidths, takes longer
     than its lifetime (from its save to backward's first use, on the device's clock) cannot hide

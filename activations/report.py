@@ -1,13 +1,12 @@
 """What one step of activation offload moved and what it cost: the per-step report.
 
-For each link a step used (a device to host memory and back over the bus, host memory to storage
-and back), the bytes it moved, the bandwidth they needed to hide behind the compute they overlap
-(outbound behind forward, inbound behind backward) against the bandwidth the link gave (the bus:
-its copies timed on the device's clock; storage: the store's measured estimate), and how long the
-step waited: on a device, the time the caller's stream stalled for copies back (timed events
-around each wait); in host memory, the time forward and backward waited for writes and reads.
-A step whose waits exceed :data:`HIDDEN_FRACTION` of its compute, or that needed more of a link
-than it gave, is not hidden.
+For each link a step used (a device to host memory and back over the bus, host memory to storage and
+back), the bytes it moved, the bandwidth they needed to hide behind the compute they overlap
+(outbound behind forward, inbound behind backward) against the bandwidth the link gave (the bus: its
+copies timed on the device's clock; storage: the store's measured estimate), and how long the step
+waited: on a device, the time the caller's stream stalled for copies back (timed events around each
+wait); in host memory, the time forward and backward waited for writes and reads. A step whose waits
+exceed `HIDDEN_FRACTION` of its compute, or that needed more of a link than it gave, is not hidden.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ class Link:
 
 @dataclass(frozen=True)
 class StepReport:
-    """One step of an :class:`~tierstore.activations.ActivationOffload` (see the module
-    docstring)."""
+    """One step of an [`ActivationOffload`][] (see the module docstring)."""
 
     step: int
     clock: str

@@ -2,10 +2,10 @@
 in, and how room is made when the memory budget is full.
 
 One policy drives two executions of a step, so that a plan's prediction follows what the runtime
-does by construction: the offloader carries its decisions out on real memory, writes and reads,
-and :func:`tierstore.activations.replay.replay_spill` carries them out on a simulated timeline to
-judge a plan. Each describes the saved tensors of one step to the policy through
-:class:`SpilledTensors` and does what it decides.
+does by construction: the offloader carries its decisions out on real memory, writes and reads, and
+`tierstore.activations.replay.replay_spill` carries them out on a simulated timeline to judge a
+plan. Each describes the saved tensors of one step to the policy through `SpilledTensors` and does
+what it decides.
 
 The rules:
 
@@ -101,7 +101,7 @@ class ReadAhead(Generic[Tensor]):
     """Backward's reads of one step: the order they are started in, and how far that has got.
 
     Args:
-        order: the spilled tensors in the order reads start in (:meth:`SpillPolicy.read_order`).
+        order: the spilled tensors in the order reads start in (`SpillPolicy.read_order`).
     """
 
     def __init__(self, order: Sequence[Tensor] = ()) -> None:

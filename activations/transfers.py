@@ -1,17 +1,16 @@
-"""Admission and reads: the offloader's staging memory, the captures it writes to the store, and
-the bytes it reads back for backward, each decision taken by the step's
-:class:`~tierstore.activations.spill_policy.SpillPolicy`; for saved tensors of a device, also the
-device memory they hold and their copies to and from it.
+"""Admission and reads: the offloader's staging memory, the captures it writes to the store, and the
+bytes it reads back for backward, each decision taken by the step's `SpillPolicy`; for saved tensors
+of a device, also the device memory they hold and their copies to and from it.
 
-All host memory comes from one :class:`~tierstore.staging.StagingArea` of ``budget`` bytes:
-captures being written, captures kept, and bytes read back ahead of backward or being used by it.
-A tensor rebuilt for backward shares its staging memory, which returns when autograd lets go of
-the tensor. When the policy can make no room (tensors rebuilt earlier are still held outside the
-offloader), a save stays where autograd keeps it and a read goes to ordinary memory instead of
-waiting for ever; ``overflow_bytes`` counts those bytes.
+All host memory comes from one [`StagingArea`][] of ``budget`` bytes: captures being written,
+captures kept, and bytes read back ahead of backward or being used by it. A tensor rebuilt for
+backward shares its staging memory, which returns when autograd lets go of the tensor. When the
+policy can make no room (tensors rebuilt earlier are still held outside the offloader), a save stays
+where autograd keeps it and a read goes to ordinary memory instead of waiting for ever;
+``overflow_bytes`` counts those bytes.
 
-Device memory the offloader holds is bounded by ``device_budget`` (:mod:`.device_budget`); the
-lifetime of every buffer and event of a saved tensor of a device is in :mod:`.cuda`.
+Device memory the offloader holds is bounded by ``device_budget`` (`device_budget`); the lifetime of
+every buffer and event of a saved tensor of a device is in `cuda`.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ class Transfers:
     """Captures into staging memory, their writes, the reads back, the copies to and from a
     device, and the room they need.
 
-    It is the :class:`~tierstore.activations.spill_policy.SpilledTensors` of every step: the policy names
-    entries, and this carries its decisions out.
+    It is the `SpilledTensors` of every step: the policy names entries, and this carries its
+    decisions out.
 
     Args:
         store: where spilled captures go (as scratch objects).
@@ -60,7 +59,7 @@ class Transfers:
         lock: the offloader's lock (reentrant), notified whenever memory or I/O in flight changes.
         stats: the offloader's counters (updated under ``lock``).
         background: runs deletions and waits for device copies, off the caller's thread.
-        device: the copies between devices and staging memory (:mod:`.cuda`).
+        device: the copies between devices and staging memory (`cuda`).
         device_budget: the most device memory, in bytes, the offloader holds at once.
     """
 

@@ -1,7 +1,7 @@
 """Pluggable storage backends: named byte objects on one medium each.
 
-See :mod:`tierstore.backends.base` for the contract and :mod:`tierstore.backends.registry` for
-how backends are found. Backend modules are imported lazily, on first use.
+See `tierstore.backends.base` for the contract and `tierstore.backends.registry` for how backends
+are found. Backend modules are imported lazily, on first use.
 """
 
 from .base import Backend, BackendOptions, Capabilities, Location

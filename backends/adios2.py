@@ -1,21 +1,20 @@
 """``adios2:///path``: objects as ADIOS2 BP5 files, written and read by a worker process.
 
 **Layout.** ``<path>/<name>.bp`` is a BP5 directory holding one global 1-D ``uint8`` variable,
-``data``, written in one step. Any ADIOS2 reader (``bpls``, ``adios2.FileReader``) can open it.
-A write goes to ``<path>/.writing-<id>/<name>.bp``, a directory private to this backend instance,
-and is renamed into place when complete, so a reader never sees a half-written object. After a
-crash the next backend opened on the directory removes it (:mod:`tierstore.backends.private`),
-as it does a scratch store's ``.scratch-<id>/`` (:meth:`~Adios2Backend.claim_scratch`). One file
-per object, rather than one append-only file for all objects, means an overwrite or delete frees
-space at once, with no compaction.
+``data``, written in one step. Any ADIOS2 reader (``bpls``, ``adios2.FileReader``) can open it. A
+write goes to ``<path>/.writing-<id>/<name>.bp``, a directory private to this backend instance, and
+is renamed into place when complete, so a reader never sees a half-written object. After a crash the
+next backend opened on the directory removes it (`tierstore.backends.private`), as it does a scratch
+store's ``.scratch-<id>/`` (`claim_scratch`). One file per object, rather than one append-only file
+for all objects, means an overwrite or delete frees space at once, with no compaction.
 
 **Nothing outside the directory.** ADIOS2 writes profiles: the writer a ``profiling.json`` into
 every ``.bp`` directory (removed once the object is written), and the BP5 reader, at every close,
-``/tmp/<base name of the path it opened>_<pid>_profiling.json``, a path no engine parameter
-changes (ADIOS2 2.10 to 2.12; ``Profile=Off`` does not stop it) and where a failure to write is
-ignored. So objects are read through a symbolic link in the private directory whose name is too
-long for that file name to exist (:data:`READER_LINK`: 250 characters, and ``NAME_MAX`` is 255):
-its write fails, and nothing lands in ``/tmp``.
+``/tmp/<base name of the path it opened>_<pid>_profiling.json``, a path no engine parameter changes
+(ADIOS2 2.10 to 2.12; ``Profile=Off`` does not stop it) and where a failure to write is ignored. So
+objects are read through a symbolic link in the private directory whose name is too long for that
+file name to exist (`READER_LINK`: 250 characters, and ``NAME_MAX`` is 255): its write fails, and
+nothing lands in ``/tmp``.
 
 **Worker process.** ADIOS2's bindings hold the GIL during put/get, which would stall every other
 thread of the store; so ADIOS2 runs in a child process (``_adios2_worker.py``) and data moves
@@ -80,7 +79,7 @@ class Adios2Backend(DirectoryBackend):
     (the module docstring gives the layout and why).
 
     Args:
-        options: an :class:`Adios2Options`.
+        options: an `Adios2Options`.
 
     Raises:
         UnwritablePathError: the directory cannot be created or written.
@@ -103,7 +102,7 @@ class Adios2Backend(DirectoryBackend):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Implements :attr:`Backend.capabilities`: whole-object writes only (append-only files)."""
+        """Implements [`Backend.capabilities`][]: whole-object writes only (append-only files)."""
         return Capabilities(
             alignment=1,
             chunk_bytes=int(self.options.transfer_bytes),
@@ -114,7 +113,7 @@ class Adios2Backend(DirectoryBackend):
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._write`: written aside, then renamed over the old object."""
+        """Implements `Backend._write`: written aside, then renamed over the old object."""
         return self._dispatch.submit(self._write_now, name, data)
 
     def _write_now(self, name: str, data: memoryview) -> None:
@@ -148,7 +147,7 @@ class Adios2Backend(DirectoryBackend):
             raise
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._read_into`."""
+        """Implements `Backend._read_into`."""
         return self._dispatch.submit(self._read_now, name, offset, out)
 
     def _read_now(self, name: str, offset: int, out: memoryview) -> None:
@@ -173,7 +172,7 @@ class Adios2Backend(DirectoryBackend):
 
     # -- metadata ---------------------------------------------------------------------------------
     def _size(self, name: str) -> int:
-        """Implements :meth:`Backend._size`: asked of the worker once, then remembered."""
+        """Implements `Backend._size`: asked of the worker once, then remembered."""
         path = self._existing(name)
         with self._lock:
             if name in self._sizes:
@@ -201,18 +200,18 @@ class Adios2Backend(DirectoryBackend):
         return size
 
     def _delete(self, name: str) -> None:
-        """Implements :meth:`Backend._delete`: the ``.bp`` directory goes."""
+        """Implements `Backend._delete`: the ``.bp`` directory goes."""
         path = self._existing(name)
         with self._lock:
             self._sizes.pop(name, None)
             shutil.rmtree(path)
 
     def _exists(self, name: str) -> bool:
-        """Implements :meth:`Backend._exists`."""
+        """Implements `Backend._exists`."""
         return self._path(name).is_dir()
 
     def _list(self) -> list[str]:
-        """Implements :meth:`Backend._list`: the ``<name>.bp`` directories."""
+        """Implements `Backend._list`: the ``<name>.bp`` directories."""
         return [
             entry.name[: -len(".bp")]
             for entry in os.scandir(self.root)
@@ -220,7 +219,7 @@ class Adios2Backend(DirectoryBackend):
         ]
 
     def _close(self) -> None:
-        """Implements :meth:`Backend._close`: the worker stops; private directories go."""
+        """Implements `Backend._close`: the worker stops; private directories go."""
         self._dispatch.shutdown(wait=True)
         if self._worker is not None:
             self._worker.stop()
@@ -244,7 +243,7 @@ class Adios2Backend(DirectoryBackend):
         return self._writing
 
     def _reader_path(self, path: Path) -> str:
-        """``path`` as the worker opens it for reading: through :data:`READER_LINK` in the private
+        """``path`` as the worker opens it for reading: through `READER_LINK` in the private
         directory, pointed at it now (on the dispatch thread: one read at a time)."""
         link = self._private().path / READER_LINK
         link.unlink(missing_ok=True)

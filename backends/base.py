@@ -3,28 +3,29 @@
 A backend knows nothing of tensors, tiers or caching. It stores objects (flat names, raw bytes)
 and moves byte ranges between them and caller buffers. Its life cycle:
 
-1. **open**: the constructor receives validated options (:attr:`Backend.Options`), creates or
-   checks its medium and raises :class:`~tierstore.errors.UnwritablePathError` if it cannot
-   write there. Use :func:`tierstore.backends.open_backend` to open one from a URL or dict.
-2. **use**: :meth:`~Backend.write` and :meth:`~Backend.read_into` return futures and may be
-   called from any thread, any number at once, for different objects. The caller keeps the buffer
-   alive and unchanged until the future resolves. Concurrent writes to the *same* object are not
-   supported (the store never issues them).
-3. **close**: :meth:`~Backend.close` waits for I/O in flight and releases resources; every call
-   afterwards raises :class:`~tierstore.errors.StoreClosedError`.
+1. **open**: the constructor receives validated options ([`Backend.Options`][]), creates or checks
+   its medium and raises [`UnwritablePathError`][] if it cannot write there. Use
+   [`tierstore.backends.open_backend`][] to open one from a URL or dict.
+2. **use**: [`write`][tierstore.backends.Backend.write] and
+   [`read_into`][tierstore.backends.Backend.read_into] return futures and may be called from any
+   thread, any number at once, for different objects. The caller keeps the buffer alive and
+   unchanged until the future resolves. Concurrent writes to the *same* object are not supported
+   (the store never issues them).
+3. **close**: [`close`][tierstore.backends.Backend.close] waits for I/O in flight and releases
+   resources; every call afterwards raises [`StoreClosedError`][].
 
 Two backends of one store must not share a medium (their object names would clash): each reports
-where its objects live (:meth:`~Backend.location`) and the store refuses equal ones. A scratch
-store asks its backends to keep its objects apart (:meth:`~Backend.claim_scratch`), so that they
-are removed even if the process dies before deleting them.
+where its objects live ([`location`][tierstore.backends.Backend.location]) and the store refuses
+equal ones. A scratch store asks its backends to keep its objects apart
+([`claim_scratch`][tierstore.backends.Backend.claim_scratch]), so that they are removed even if the
+process dies before deleting them.
 
 Object semantics are those of a file: ``write`` creates the object if needed and grows it to
 ``max(size, offset + len(data))`` (a backend without ``partial_writes`` takes only whole-object
 writes at offset 0, which replace the object); ``read_into`` fills the whole buffer or raises
-:class:`~tierstore.errors.OutOfRangeError`. Offsets must be multiples of
-:attr:`Capabilities.alignment` (lengths need not be: the backend handles a partial last block);
-buffers may have any address (a backend with direct I/O bounces unaligned buffers through aligned
-ones, which costs a copy, so give it aligned buffers).
+[`OutOfRangeError`][]. Offsets must be multiples of [`Capabilities.alignment`][] (lengths need not
+be: the backend handles a partial last block); buffers may have any address (a backend with direct
+I/O bounces unaligned buffers through aligned ones, which costs a copy, so give it aligned buffers).
 """
 
 from __future__ import annotations
@@ -138,26 +139,26 @@ def prepare_root(root: Path, scheme: str) -> Path:
 
 
 class BackendOptions(ConfigModel):
-    """Base of every backend's options: the rules of every option model (unknown fields are
-    errors, a bool is no number; see :class:`~tierstore._checks.ConfigModel`)."""
+    """Base of every backend's options: the rules of every option model (unknown fields are errors,
+    a bool is no number; see `ConfigModel`)."""
 
 
 class Backend(Closeable):
     """Abstract base of all backends: named byte objects on one storage medium (the module
     docstring gives the life cycle and the object semantics).
 
-    A subclass sets :attr:`scheme` and :attr:`Options`, implements :attr:`capabilities` and the
-    underscored hooks (``_write``, ``_read_into``, ``_delete``, ``_exists``, ``_size``,
-    ``_list``; ``_copy_from`` and ``_close`` where it has something to do), and overrides the
-    optional public hooks that apply to its medium (:meth:`options_from_url`, :meth:`location`,
-    :meth:`claim_scratch`, :meth:`spare_bytes`, :meth:`release_spares`). The public methods check
-    names, alignment, ranges and the closed state once, here, so every backend rejects bad input
-    the same way and a hook only ever sees valid arguments on an open backend.
+    A subclass sets [`scheme`][] and [`Options`][], implements [`capabilities`][] and the
+    underscored hooks (``_write``, ``_read_into``, ``_delete``, ``_exists``, ``_size``, ``_list``;
+    ``_copy_from`` and ``_close`` where it has something to do), and overrides the optional public
+    hooks that apply to its medium ([`options_from_url`][], [`location`][], [`claim_scratch`][],
+    [`spare_bytes`][], [`release_spares`][]). The public methods check names, alignment, ranges and
+    the closed state once, here, so every backend rejects bad input the same way and a hook only
+    ever sees valid arguments on an open backend.
 
     Args:
-        options: the backend's :attr:`Options`, already validated; open a backend with
-            :meth:`from_options` or :func:`~tierstore.backends.open_backend`, which validate a
-            table's or a URL's fields first.
+        options: the backend's [`Options`][], already validated; open a backend with
+            [`from_options`][] or [`open_backend`][], which validate a table's or a URL's fields
+            first.
 
     Raises:
         UnwritablePathError: (from a subclass) the medium cannot be created or written.
@@ -177,11 +178,11 @@ class Backend(Closeable):
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, where: str = "backend") -> Backend:
-        """Validate ``options`` against :attr:`Options` and open the backend.
+        """Validate ``options`` against [`Options`][] and open the backend.
 
         Args:
             options: the option fields: a config table without its ``type``, or what
-                :meth:`options_from_url` makes of a URL.
+                [`options_from_url`][] makes of a URL.
             where: the options' place in a larger config document (``"tiers.0.backend"``), which
                 error messages name so that the user finds the field.
 
@@ -210,10 +211,10 @@ class Backend(Closeable):
             scheme: the URL's whole scheme, e.g. ``zarr+s3`` for a backend registered as ``zarr``
                 (the part after ``+`` may choose a protocol).
             location: the URL's host and path (``/data`` of ``nvme:///data``); empty if none.
-            query: the query's fields, as strings (:attr:`Options` converts them).
+            query: the query's fields, as strings ([`Options`][] converts them).
 
         Returns:
-            The fields for :meth:`from_options`.
+            The fields for [`from_options`][].
         """
         return {"path": location, **query} if location else dict(query)
 
@@ -231,18 +232,17 @@ class Backend(Closeable):
         needed and growing it to ``max(size, offset + len(data))``.
 
         Args:
-            name: the object's name (:data:`NAME_PATTERN`).
-            offset: where in the object the bytes go: a multiple of
-                :attr:`Capabilities.alignment`, and 0 on a backend without ``partial_writes``,
-                whose writes replace the whole object.
+            name: the object's name (`NAME_PATTERN`).
+            offset: where in the object the bytes go: a multiple of [`Capabilities.alignment`][],
+                and 0 on a backend without ``partial_writes``, whose writes replace the whole
+                object.
             data: any buffer (``memoryview``, numpy array, ``bytes``...), written as raw bytes.
                 The caller keeps it alive and unchanged until the future resolves, because the
                 backend may copy from it on other threads until then.
 
         Returns:
-            A future that resolves once the bytes are written (synced to the medium only where
-            the backend's options say so), or raises :class:`~tierstore.errors.BackendIOError`
-            if the medium failed.
+            A future that resolves once the bytes are written (synced to the medium only where the
+            backend's options say so), or raises [`BackendIOError`][] if the medium failed.
 
         Raises:
             InvalidKeyError: ``name`` is not a valid object name.
@@ -263,21 +263,20 @@ class Backend(Closeable):
 
         Args:
             name: the object's name.
-            offset: where in the object the read starts: a multiple of
-                :attr:`Capabilities.alignment`.
+            offset: where in the object the read starts: a multiple of [`Capabilities.alignment`][].
             out: a writable buffer, whose length is the number of bytes read. The caller keeps
                 it alive, and does not use it, until the future resolves.
 
         Returns:
-            A future that resolves once ``out`` is filled, or raises
-            :class:`~tierstore.errors.BackendIOError` if the medium failed.
+            A future that resolves once ``out`` is filled, or raises [`BackendIOError`][] if the
+            medium failed.
 
         Raises:
             KeyNotFoundError: there is no object ``name``.
             OutOfRangeError: ``[offset, offset + len(out))`` reaches past the object's end (a
                 read never returns fewer bytes than asked for).
             BufferMismatchError: ``out`` is read-only.
-            InvalidKeyError, AlignmentError, StoreClosedError: as :meth:`write` raises them.
+            InvalidKeyError, AlignmentError, StoreClosedError: as [`write`][] raises them.
         """
         self._check_open()
         check_name(name)
@@ -295,7 +294,7 @@ class Backend(Closeable):
 
     # -- metadata ---------------------------------------------------------------------------------
     def delete(self, name: str) -> None:
-        """Remove object ``name``; it is gone from :meth:`list` and :meth:`exists` on return.
+        """Remove object ``name``; it is gone from [`list`][] and [`exists`][] on return.
 
         Args:
             name: the object's name.
@@ -303,7 +302,7 @@ class Backend(Closeable):
         Raises:
             KeyNotFoundError: there is no object ``name``.
             BackendIOError: the medium refused.
-            InvalidKeyError, StoreClosedError: as :meth:`write` raises them.
+            InvalidKeyError, StoreClosedError: as [`write`][] raises them.
         """
         self._check_open()
         check_name(name)
@@ -316,7 +315,7 @@ class Backend(Closeable):
             name: the object's name.
 
         Raises:
-            InvalidKeyError, StoreClosedError: as :meth:`write` raises them.
+            InvalidKeyError, StoreClosedError: as [`write`][] raises them.
         """
         self._check_open()
         check_name(name)
@@ -330,7 +329,7 @@ class Backend(Closeable):
 
         Raises:
             KeyNotFoundError: there is no object ``name``.
-            InvalidKeyError, StoreClosedError: as :meth:`write` raises them.
+            InvalidKeyError, StoreClosedError: as [`write`][] raises them.
         """
         self._check_open()
         check_name(name)
@@ -366,7 +365,7 @@ class Backend(Closeable):
             KeyNotFoundError: ``source`` has no object ``source_name`` (where the copy is
                 possible at all).
             BackendIOError: the medium failed; no part of the copy is left.
-            InvalidKeyError, StoreClosedError: for either backend, as :meth:`write` raises them.
+            InvalidKeyError, StoreClosedError: for either backend, as [`write`][] raises them.
         """
         self._check_open()
         source._check_open()
@@ -385,7 +384,7 @@ class Backend(Closeable):
         return 0
 
     def release_spares(self, nbytes: int | None = None) -> int:
-        """Give back :meth:`spare_bytes` to the medium, so that objects can have the space.
+        """Give back [`spare_bytes`][] to the medium, so that objects can have the space.
 
         Args:
             nbytes: give back at least this many bytes if held; None gives back all of them.
@@ -408,11 +407,10 @@ class Backend(Closeable):
     def claim_scratch(self) -> None:
         """Keep the objects written from now on apart from everyone else's, for a scratch store.
 
-        A backend on a shared medium puts them in a directory private to this instance, removed
-        at :meth:`close` or, if the process dies first, by the next backend opened on the same
-        medium (:mod:`tierstore.backends.private`). Memory backends keep this default, which
-        does nothing: their objects end with the process. Call it before writing the first
-        object.
+        A backend on a shared medium puts them in a directory private to this instance, removed at
+        [`close`][] or, if the process dies first, by the next backend opened on the same medium
+        (`tierstore.backends.private`). Memory backends keep this default, which does nothing: their
+        objects end with the process. Call it before writing the first object.
 
         Raises:
             StoreClosedError: (from a backend that overrides it) the backend is closed.
@@ -421,13 +419,13 @@ class Backend(Closeable):
     # -- life cycle -------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` has been called."""
+        """Whether [`close`][] has been called."""
         return self._closed
 
     def close(self) -> None:
         """Wait for the I/O in flight and release the backend's resources (threads, processes,
-        private directories). Idempotent; every other method raises
-        :class:`~tierstore.errors.StoreClosedError` afterwards."""
+        private directories). Idempotent; every other method raises [`StoreClosedError`][]
+        afterwards."""
         if not self._closed:
             self._closed = True
             self._close()
@@ -438,8 +436,7 @@ class Backend(Closeable):
     # -- hooks for subclasses -----------------------------------------------------------------------
     @abstractmethod
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        """Start the write :meth:`write` describes; called only on an open backend, after its
-        checks.
+        """Start the write [`write`][] describes; called only on an open backend, after its checks.
 
         Args:
             name: a valid object name.
@@ -448,13 +445,12 @@ class Backend(Closeable):
                 resolves.
 
         Returns:
-            A future that resolves once the bytes are written, or raises
-            :class:`~tierstore.errors.BackendIOError`.
+            A future that resolves once the bytes are written, or raises [`BackendIOError`][].
         """
 
     @abstractmethod
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
-        """Start the read :meth:`read_into` describes; called only on an open backend, after its
+        """Start the read [`read_into`][] describes; called only on an open backend, after its
         checks.
 
         Args:
@@ -463,8 +459,7 @@ class Backend(Closeable):
             out: a writable 1-D ``memoryview`` of format ``"B"`` to fill completely.
 
         Returns:
-            A future that resolves once ``out`` is filled, or raises
-            :class:`~tierstore.errors.BackendIOError`.
+            A future that resolves once ``out`` is filled, or raises [`BackendIOError`][].
 
         Raises:
             KeyNotFoundError: the object was deleted since the check (here or through the
@@ -473,7 +468,7 @@ class Backend(Closeable):
 
     @abstractmethod
     def _delete(self, name: str) -> None:
-        """Remove the object, as :meth:`delete` describes.
+        """Remove the object, as [`delete`][] describes.
 
         Args:
             name: a valid object name.
@@ -492,7 +487,7 @@ class Backend(Closeable):
 
     @abstractmethod
     def _size(self, name: str) -> int:
-        """The object's size in bytes (also called by :meth:`read_into` to check its range).
+        """The object's size in bytes (also called by [`read_into`][] to check its range).
 
         Args:
             name: a valid object name.
@@ -503,12 +498,12 @@ class Backend(Closeable):
 
     @abstractmethod
     def _list(self) -> builtins.list[str]:
-        """The names of all objects, in any order (:meth:`list` sorts them); only names that
-        :func:`check_name` accepts, never the backend's own files."""
+        """The names of all objects, in any order ([`list`][] sorts them); only names that
+        `check_name` accepts, never the backend's own files."""
 
     def _copy_from(self, name: str, source: Backend, source_name: str) -> bool:
-        """Make the copy :meth:`copy_from` describes, or return False; backends that can copy
-        without this process's memory override this default, which cannot.
+        """Make the copy [`copy_from`][] describes, or return False; backends that can copy without
+        this process's memory override this default, which cannot.
 
         Args:
             name: a valid object name here.
@@ -524,8 +519,8 @@ class Backend(Closeable):
         return False
 
     def _close(self) -> None:
-        """Wait for the I/O in flight and release resources; called once, by :meth:`close`.
-        Backends without resources keep this default, which does nothing."""
+        """Wait for the I/O in flight and release resources; called once, by [`close`][]. Backends
+        without resources keep this default, which does nothing."""
 
     # -- checks -----------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -542,7 +537,7 @@ class Backend(Closeable):
 
 
 def check_name(name: str) -> None:
-    """Raise :class:`~tierstore.errors.InvalidKeyError` unless ``name`` is a valid object name."""
+    """Raise [`InvalidKeyError`][] unless ``name`` is a valid object name."""
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidKeyError(
             f"invalid object name {name!r}: use 1-200 characters from [A-Za-z0-9._-], "
@@ -558,13 +553,13 @@ class DirectoryOptions(BackendOptions):
 
 
 class DirectoryBackend(Backend):
-    """A backend whose objects are files under one local directory, which other backend
-    instances may share: what an instance creates for itself alone goes into private directories
-    (:mod:`.private`), and those of instances that ended without closing are collected at open.
+    """A backend whose objects are files under one local directory, which other backend instances
+    may share: what an instance creates for itself alone goes into private directories (`private`),
+    and those of instances that ended without closing are collected at open.
 
     Args:
-        options: a :class:`DirectoryOptions` (or a subclass's); its ``path`` is created
-            owner-only if missing.
+        options: a `DirectoryOptions` (or a subclass's); its ``path`` is created owner-only if
+            missing.
 
     Raises:
         UnwritablePathError: ``path`` cannot be created or written.
@@ -583,11 +578,11 @@ class DirectoryBackend(Backend):
         self._scratch: PrivateDirectory | None = None
 
     def location(self) -> Location:
-        """Implements :meth:`Backend.location`: the directory, by device and inode."""
+        """Implements [`Backend.location`][]: the directory, by device and inode."""
         return self._location
 
     def claim_scratch(self) -> None:
-        """Implements :meth:`Backend.claim_scratch`: a private ``.scratch-<id>/`` directory."""
+        """Implements [`Backend.claim_scratch`][]: a private ``.scratch-<id>/`` directory."""
         self._check_open()
         if self._scratch is None:
             self._scratch = PrivateDirectory(self.root, "scratch")

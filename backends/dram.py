@@ -27,7 +27,7 @@ class DramBackend(Backend):
     """Volatile in-memory objects (copies complete before the future is returned).
 
     Args:
-        options: a :class:`DramOptions` (no fields).
+        options: a `DramOptions` (no fields).
     """
 
     scheme = "dram"
@@ -42,7 +42,7 @@ class DramBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Implements :attr:`Backend.capabilities`: any offset, partial writes, not persistent."""
+        """Implements [`Backend.capabilities`][]: any offset, partial writes, not persistent."""
         return Capabilities(alignment=1, partial_writes=True, persistent=False, direct_io=False)
 
     def view(self, name: str) -> np.ndarray:
@@ -51,7 +51,7 @@ class DramBackend(Backend):
             return self._buffer(name)[: self._sizes[name]]
 
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._write`: copies at once and returns a resolved future."""
+        """Implements `Backend._write`: copies at once and returns a resolved future."""
         end = offset + data.nbytes
         with self._lock:
             buffer = self._buffers.get(name, _EMPTY)
@@ -67,35 +67,35 @@ class DramBackend(Backend):
         return completed(None)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._read_into`: copies at once and returns a resolved future."""
+        """Implements `Backend._read_into`: copies at once and returns a resolved future."""
         with self._lock:
             buffer = self._buffer(name)
         np.frombuffer(out, np.uint8)[:] = buffer[offset : offset + out.nbytes]
         return completed(None)
 
     def _delete(self, name: str) -> None:
-        """Implements :meth:`Backend._delete`."""
+        """Implements `Backend._delete`."""
         with self._lock:
             self._buffer(name)
             del self._buffers[name], self._sizes[name]
 
     def _exists(self, name: str) -> bool:
-        """Implements :meth:`Backend._exists`."""
+        """Implements `Backend._exists`."""
         return name in self._sizes
 
     def _size(self, name: str) -> int:
-        """Implements :meth:`Backend._size`."""
+        """Implements `Backend._size`."""
         with self._lock:
             self._buffer(name)
             return self._sizes[name]
 
     def _list(self) -> list[str]:
-        """Implements :meth:`Backend._list`."""
+        """Implements `Backend._list`."""
         with self._lock:
             return list(self._sizes)
 
     def _close(self) -> None:
-        """Implements :meth:`Backend._close`: the objects' memory is freed."""
+        """Implements `Backend._close`: the objects' memory is freed."""
         with self._lock:
             self._buffers.clear()
             self._sizes.clear()

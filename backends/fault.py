@@ -9,8 +9,8 @@ errors real media raise::
     backend.inject("write", errno.EIO, torn=True)       # every write: half the bytes, then EIO
     backend.clear()
 
-A failing operation raises :class:`~tierstore.errors.BackendIOError` with the injected errno,
-through its future (as the real backends do).
+A failing operation raises [`BackendIOError`][] with the injected errno, through its future (as the
+real backends do).
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ class FaultBackend(WrapperBackend):
     """Another backend whose operations fail on demand (testing; see the module docstring).
 
     Args:
-        options: a :class:`~tierstore.backends.wrapper.WrapperOptions` (``inner`` is the
-            backend whose operations fail).
+        options: a `WrapperOptions` (``inner`` is the backend whose operations fail).
     """
 
     scheme = "fault"
@@ -59,7 +58,7 @@ class FaultBackend(WrapperBackend):
         Args:
             operation: ``"write"``, ``"read"`` or ``"delete"``.
             code: the errno the failures carry (``errno.ENOSPC``...).
-            count: how many of the next calls fail; None: every call until :meth:`clear`.
+            count: how many of the next calls fail; None: every call until `clear`.
             torn: a failing write stores the first half of its bytes (rounded down to the
                 alignment) before it fails, as a write cut short does.
 
@@ -102,7 +101,7 @@ class FaultBackend(WrapperBackend):
         )
 
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._write`: an injected fault fails the future (torn: half written)."""
+        """Implements `Backend._write`: an injected fault fails the future (torn: half written)."""
         fault = self._take("write")
         if fault is None:
             return self.inner.write(name, offset, data)
@@ -114,7 +113,7 @@ class FaultBackend(WrapperBackend):
         return failed
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._read_into`: an injected fault fails the future."""
+        """Implements `Backend._read_into`: an injected fault fails the future."""
         fault = self._take("read")
         if fault is None:
             return self.inner.read_into(name, offset, out)
@@ -123,7 +122,7 @@ class FaultBackend(WrapperBackend):
         return failed
 
     def _delete(self, name: str) -> None:
-        """Implements :meth:`Backend._delete`: an injected fault raises its error."""
+        """Implements `Backend._delete`: an injected fault raises its error."""
         fault = self._take("delete")
         if fault is not None:
             raise self._error(fault, f"deleting {name}")

@@ -7,29 +7,29 @@ block padded (after reading back the block's existing bytes if the object extend
 then truncates the file to the true size. Files and the directory are created owner-only.
 Dot-entries (``.tierstore-probe-*``, ``.spares-*``, ``.scratch-*``) are never objects.
 
-**Recycling.** With O_DIRECT, a deleted file is renamed aside (up to ``recycle`` of them) instead
-of unlinked, and the next new object of exactly its size is written into it. A store writes every
+**Recycling.** With O_DIRECT, a deleted file is renamed aside (up to ``recycle`` of them) instead of
+unlinked, and the next new object of exactly its size is written into it. A store writes every
 version of an object under a new name and deletes the old one, so an optimizer that rewrites its
-state each step would otherwise make ext4 allocate fresh blocks, and convert them from unwritten
-to written, on every write, and free the old blocks with an unlink; overwriting blocks already
-written skips all three (unlinking a file of 100 MB can take over a second, and stalls the writes
-beside it on ext4's journal). When all ``recycle`` places are taken, the oldest spare is unlinked to make
+state each step would otherwise make ext4 allocate fresh blocks, and convert them from unwritten to
+written, on every write, and free the old blocks with an unlink; overwriting blocks already written
+skips all three (unlinking a file of 100 MB can take over a second, and stalls the writes beside it
+on ext4's journal). When all ``recycle`` places are taken, the oldest spare is unlinked to make
 room: sizes an application stopped writing (DeepSpeed's master weights written alone at start,
-before the moments exist) must not hold every place forever. Spares never cost a write its space:
-a write that finds the file system full (ENOSPC) gives every spare back and tries again, and a tier
-with a ``capacity`` counts them in it, giving back as many as its objects need
-(:meth:`~NvmeBackend.spare_bytes`, :meth:`~NvmeBackend.release_spares`). Spares live in
-``<path>/.spares-<id>/``, private to this backend instance (another store on the same directory
-has its own), and are removed at ``close()``; after a crash, by the next backend opened on the
-directory (:mod:`tierstore.backends.private`). A file with another name linked to it
-(:meth:`~NvmeBackend.copy_from`) is never recycled: its blocks are that other object's too.
+before the moments exist) must not hold every place forever. Spares never cost a write its space: a
+write that finds the file system full (ENOSPC) gives every spare back and tries again, and a tier
+with a ``capacity`` counts them in it, giving back as many as its objects need (`spare_bytes`,
+`release_spares`). Spares live in ``<path>/.spares-<id>/``, private to this backend instance
+(another store on the same directory has its own), and are removed at ``close()``; after a crash, by
+the next backend opened on the directory (`tierstore.backends.private`). A file with another name
+linked to it ([`copy_from`][tierstore.backends.Backend.copy_from]) is never recycled: its blocks are
+that other object's too.
 
-**Copies** between two nvme backends (:meth:`~NvmeBackend.copy_from`) hard-link the file where
-both directories are on one file system (no byte moves), and otherwise copy it inside the kernel
-(``sendfile``), never through the process's memory.
+**Copies** between two nvme backends ([`copy_from`][tierstore.backends.Backend.copy_from]) hard-link
+the file where both directories are on one file system (no byte moves), and otherwise copy it inside
+the kernel (``sendfile``), never through the process's memory.
 
-**Scratch stores** (:meth:`~NvmeBackend.claim_scratch`) keep their objects in
-``<path>/.scratch-<id>/``, removed the same way.
+**Scratch stores** (`claim_scratch`) keep their objects in ``<path>/.scratch-<id>/``, removed the
+same way.
 
 **I/O engine.** A thread pool of ``queue_depth`` workers issues ``os.preadv``/``os.pwritev``
 (which release the GIL) in ``chunk_bytes`` pieces; O_DIRECT needs several requests in flight to
@@ -93,7 +93,7 @@ class NvmeBackend(DirectoryBackend):
     docstring gives the layout, recycling and copies).
 
     Args:
-        options: an :class:`NvmeOptions`.
+        options: an `NvmeOptions`.
 
     Raises:
         UnwritablePathError: the directory cannot be created or written.
@@ -127,7 +127,8 @@ class NvmeBackend(DirectoryBackend):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Implements :attr:`Backend.capabilities`: page-aligned, direct I/O where O_DIRECT is used."""
+        """Implements [`Backend.capabilities`][]: page-aligned, direct I/O where O_DIRECT is
+        used."""
         return Capabilities(
             alignment=ALIGNMENT if self.direct else 1,
             chunk_bytes=self._chunk,
@@ -172,7 +173,7 @@ class NvmeBackend(DirectoryBackend):
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._write`: a new object written from 0 takes a spare of its size."""
+        """Implements `Backend._write`: a new object written from 0 takes a spare of its size."""
         path = self.root / name
         end = offset + data.nbytes
         if offset == 0:
@@ -207,7 +208,7 @@ class NvmeBackend(DirectoryBackend):
         return when_all(tasks, finish)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._read_into`."""
+        """Implements `Backend._read_into`."""
         fd = self._open(self.root / name, os.O_RDONLY)
         tasks = [
             self._pool.submit(self._read_chunk, fd, offset + start, out[start:stop])
@@ -323,12 +324,12 @@ class NvmeBackend(DirectoryBackend):
 
     # -- recycled files -----------------------------------------------------------------------------
     def spare_bytes(self) -> int:
-        """Implements :meth:`Backend.spare_bytes`: the size of the deleted files kept for reuse."""
+        """Implements [`Backend.spare_bytes`][]: the size of the deleted files kept for reuse."""
         with self._spare_lock:
             return sum(self._spares.values())
 
     def release_spares(self, nbytes: int | None = None) -> int:
-        """Implements :meth:`Backend.release_spares`: unlinks spares, oldest first."""
+        """Implements [`Backend.release_spares`][]: unlinks spares, oldest first."""
         freed, doomed = 0, []
         with self._spare_lock:
             while self._spares and (nbytes is None or freed < nbytes):
@@ -341,7 +342,7 @@ class NvmeBackend(DirectoryBackend):
 
     # -- metadata ---------------------------------------------------------------------------------
     def _delete(self, name: str) -> None:
-        """Implements :meth:`Backend._delete`: with O_DIRECT, the file is kept aside as a spare."""
+        """Implements `Backend._delete`: with O_DIRECT, the file is kept aside as a spare."""
         path = self.root / name
         try:
             if not (self.direct and self.options.recycle):
@@ -367,8 +368,8 @@ class NvmeBackend(DirectoryBackend):
             raise KeyNotFoundError(f"nvme: no object {name!r} in {self.root}") from None
 
     def _copy_from(self, name: str, source: Backend, source_name: str) -> bool:
-        """Implements :meth:`Backend._copy_from` from another nvme backend (its objects are plain
-        files too): a hard link on one file system, else ``sendfile`` into an owner-only file."""
+        """Implements `Backend._copy_from` from another nvme backend (its objects are plain files
+        too): a hard link on one file system, else ``sendfile`` into an owner-only file."""
         if not isinstance(source, NvmeBackend):
             return False
         origin, target = source.root / source_name, self.root / name
@@ -400,22 +401,22 @@ class NvmeBackend(DirectoryBackend):
         return True
 
     def _exists(self, name: str) -> bool:
-        """Implements :meth:`Backend._exists`."""
+        """Implements `Backend._exists`."""
         return (self.root / name).is_file()
 
     def _size(self, name: str) -> int:
-        """Implements :meth:`Backend._size`: the file's size."""
+        """Implements `Backend._size`: the file's size."""
         try:
             return os.stat(self.root / name).st_size
         except FileNotFoundError:
             raise KeyNotFoundError(f"nvme: no object {name!r} in {self.root}") from None
 
     def _list(self) -> list[str]:
-        """Implements :meth:`Backend._list`: every file whose name does not start with a dot."""
+        """Implements `Backend._list`: every file whose name does not start with a dot."""
         return [entry.name for entry in os.scandir(self.root) if not entry.name.startswith(".")]
 
     def _close(self) -> None:
-        """Implements :meth:`Backend._close`: spares and a scratch store's objects are removed."""
+        """Implements `Backend._close`: spares and a scratch store's objects are removed."""
         self._pool.shutdown(wait=True)
         with self._spare_lock:
             self._spares.clear()
@@ -455,8 +456,8 @@ def _io_error(error: OSError, doing: str) -> BackendIOError:
 
 @contextmanager
 def _io_errors(doing: str) -> Iterator[None]:
-    """Raise an ``OSError`` of the block as a :class:`BackendIOError` saying what was being done
-    (one that is a :class:`BackendIOError` already passes unchanged)."""
+    """Raise an ``OSError`` of the block as a [`BackendIOError`][] saying what was being done (one
+    that is a [`BackendIOError`][] already passes unchanged)."""
     try:
         yield
     except BackendIOError:

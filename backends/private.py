@@ -5,14 +5,14 @@ instance creates for itself alone (recycled files, objects being written, a scra
 objects) goes into ``<root>/.<kind>-<id>``, so two instances never touch each other's files.
 
 An instance marks its directory as live with an exclusive ``flock`` on ``.lock`` inside it, held
-until :meth:`PrivateDirectory.remove` or until the process ends, however it ends: the kernel drops
-the lock of a process killed with ``kill -9``. The directory gets its name only once its lock is
-held (it is made as ``.<kind>-<id>.new`` and renamed), so a named directory always has a lock,
-held by a live owner or free because the owner has ended (a process killed between the two steps
-leaves an empty ``.new`` directory). The next backend opened on the root removes every private
-directory whose lock it can take (:func:`remove_abandoned`), and never one that is held. A regular
-file, not the directory, carries the lock: NFS implements ``flock`` with POSIX locks, which need a
-file open for writing.
+until `PrivateDirectory.remove` or until the process ends, however it ends: the kernel drops the
+lock of a process killed with ``kill -9``. The directory gets its name only once its lock is held
+(it is made as ``.<kind>-<id>.new`` and renamed), so a named directory always has a lock, held by a
+live owner or free because the owner has ended (a process killed between the two steps leaves an
+empty ``.new`` directory). The next backend opened on the root removes every private directory whose
+lock it can take (`remove_abandoned`), and never one that is held. A regular file, not the
+directory, carries the lock: NFS implements ``flock`` with POSIX locks, which need a file open for
+writing.
 
 A lock, not a pid file: a pid can be reused by an unrelated process after a crash (the garbage
 would then never be collected) and means nothing across pid namespaces (containers) or hosts
@@ -45,8 +45,8 @@ class PrivateDirectory:
 
     Args:
         root: the shared directory it is made in (a backend's root).
-        kind: what it holds (``"spares"``, ``"writing"``, ``"scratch"``, ``"checkpoint"``), so
-            that :func:`remove_abandoned` collects each kind where a backend expects it.
+        kind: what it holds (``"spares"``, ``"writing"``, ``"scratch"``, ``"checkpoint"``), so that
+            `remove_abandoned` collects each kind where a backend expects it.
     """
 
     def __init__(self, root: Path, kind: str) -> None:
@@ -81,8 +81,8 @@ def remove_abandoned(root: Path, kind: str) -> None:
 
 
 def owner_ids(root: Path, kind: str) -> set[str]:
-    """The ids of the ``kind`` private directories under ``root``: after
-    :func:`remove_abandoned`, those of owners alive (or not provably ended: no ``flock``)."""
+    """The ids of the ``kind`` private directories under ``root``: after `remove_abandoned`, those
+    of owners alive (or not provably ended: no ``flock``)."""
     return set(_directories(root, kind))
 
 

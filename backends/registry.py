@@ -3,7 +3,7 @@
 Built-in backends are named here as import paths and imported on first use, so an optional
 dependency (zarr, adios2...) is only needed by whoever uses that backend. Third-party packages add
 backends through the ``tierstore.backends`` entry-point group (``name = "package.module:Class"``),
-or at run time with :func:`register_backend`.
+or at run time with [`register_backend`][].
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def register_backend(cls: type[Backend], name: str | None = None, *, clobber: bo
     """Make a backend class available to URLs and config tables.
 
     Args:
-        cls: the :class:`Backend` subclass.
+        cls: the [`Backend`][] subclass.
         name: the URL scheme and ``type`` it is found by; default ``cls.scheme``.
         clobber: replace a different class registered under ``name`` (otherwise an error).
 
@@ -63,7 +63,7 @@ def backend_class(name: str) -> type[Backend]:
     """The backend class registered as ``name``, importing it on first use.
 
     Args:
-        name: a registry name (:func:`available_backends`), e.g. ``"nvme"``.
+        name: a registry name ([`available_backends`][]), e.g. ``"nvme"``.
 
     Raises:
         ConfigError: no backend of that name, or its module needs a package that is not

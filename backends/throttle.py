@@ -7,9 +7,9 @@ backend::
 
     {"type": "throttle", "inner": "dram://", "read_bytes_per_s": "400MB", "write_bytes_per_s": "400MB"}
 
-Transfers are cut into ``piece_bytes`` pieces paced by a virtual clock (:class:`Pacer`), so
-concurrent requests share the path's rate. :meth:`ThrottleBackend.set_rates` changes the rates at
-run time (a path that slows down mid-run).
+Transfers are cut into ``piece_bytes`` pieces paced by a virtual clock (`Pacer`), so concurrent
+requests share the path's rate. `ThrottleBackend.set_rates` changes the rates at run time (a path
+that slows down mid-run).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class ThrottleBackend(WrapperBackend):
     """Another backend, slowed to a configured rate (emulation; see the module docstring).
 
     Args:
-        options: a :class:`ThrottleOptions`.
+        options: a `ThrottleOptions`.
     """
 
     scheme = "throttle"
@@ -118,7 +118,7 @@ class ThrottleBackend(WrapperBackend):
         return {direction: pacer.rate for direction, pacer in self._pacers.items()}
 
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._write`: paced piece by piece (whole objects in one piece)."""
+        """Implements `Backend._write`: paced piece by piece (whole objects in one piece)."""
         return self._pool.submit(self._write_now, name, offset, data)
 
     def _write_now(self, name: str, offset: int, data: memoryview) -> None:
@@ -135,7 +135,7 @@ class ThrottleBackend(WrapperBackend):
             pacer.pace(piece.nbytes, began)
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._read_into`: paced piece by piece."""
+        """Implements `Backend._read_into`: paced piece by piece."""
         return self._pool.submit(self._read_now, name, offset, out)
 
     def _read_now(self, name: str, offset: int, out: memoryview) -> None:
@@ -147,7 +147,7 @@ class ThrottleBackend(WrapperBackend):
             pacer.pace(piece.nbytes, began)
 
     def _close(self) -> None:
-        """Implements :meth:`Backend._close`: waits for paced requests, then closes ``inner``."""
+        """Implements `Backend._close`: waits for paced requests, then closes ``inner``."""
         self._pool.shutdown(wait=True)
         super()._close()
 

@@ -1,7 +1,7 @@
 """A backend in front of another one: the base of the test and emulation wrappers.
 
-Its own module because it opens its inner backend through the registry, which imports
-:mod:`.base`; here the import runs one way (wrapper -> registry -> base).
+Its own module because it opens its inner backend through the registry, which imports `base`; here
+the import runs one way (wrapper -> registry -> base).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ class WrapperBackend(Backend):
     and override only the data path.
 
     Args:
-        options: a :class:`WrapperOptions` (or a subclass's); ``inner`` is opened at once and
-            closed with this backend.
+        options: a `WrapperOptions` (or a subclass's); ``inner`` is opened at once and closed with
+            this backend.
 
     Raises:
         ConfigError: ``inner`` is not a valid backend URL or table (named as ``<scheme>.inner``).
@@ -43,46 +43,47 @@ class WrapperBackend(Backend):
 
     @classmethod
     def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        """Implements :meth:`Backend.options_from_url`: all in the query (``fault://?inner=dram://``)."""
+        """Implements [`Backend.options_from_url`][]: all in the query
+        (``fault://?inner=dram://``)."""
         return dict(query)
 
     @property
     def capabilities(self) -> Capabilities:
-        """Implements :attr:`Backend.capabilities`: those of ``inner``."""
+        """Implements [`Backend.capabilities`][]: those of ``inner``."""
         return self.inner.capabilities
 
     def _delete(self, name: str) -> None:
-        """Implements :meth:`Backend._delete` by ``inner``'s."""
+        """Implements `Backend._delete` by ``inner``'s."""
         self.inner.delete(name)
 
     def _exists(self, name: str) -> bool:
-        """Implements :meth:`Backend._exists` by ``inner``'s."""
+        """Implements `Backend._exists` by ``inner``'s."""
         return self.inner.exists(name)
 
     def _size(self, name: str) -> int:
-        """Implements :meth:`Backend._size` by ``inner``'s."""
+        """Implements `Backend._size` by ``inner``'s."""
         return self.inner.size(name)
 
     def _list(self) -> builtins.list[str]:
-        """Implements :meth:`Backend._list` by ``inner``'s."""
+        """Implements `Backend._list` by ``inner``'s."""
         return self.inner.list()
 
     def spare_bytes(self) -> int:
-        """Implements :meth:`Backend.spare_bytes` by ``inner``'s."""
+        """Implements [`Backend.spare_bytes`][] by ``inner``'s."""
         return self.inner.spare_bytes()
 
     def release_spares(self, nbytes: int | None = None) -> int:
-        """Implements :meth:`Backend.release_spares` by ``inner``'s."""
+        """Implements [`Backend.release_spares`][] by ``inner``'s."""
         return self.inner.release_spares(nbytes)
 
     def location(self) -> Location | None:
-        """Implements :meth:`Backend.location`: ``inner``'s medium."""
+        """Implements [`Backend.location`][]: ``inner``'s medium."""
         return self.inner.location()
 
     def claim_scratch(self) -> None:
-        """Implements :meth:`Backend.claim_scratch` by ``inner``'s."""
+        """Implements [`Backend.claim_scratch`][] by ``inner``'s."""
         self.inner.claim_scratch()
 
     def _close(self) -> None:
-        """Implements :meth:`Backend._close`: ``inner`` is closed."""
+        """Implements `Backend._close`: ``inner`` is closed."""
         self.inner.close()

@@ -18,11 +18,10 @@ fast as zarr's own path, with far less CPU (which a FUSE or network file system 
 Other stores, or arrays written compressed by someone else, go through zarr
 (``array[a:b] = ...``, ``get_basic_selection(out=...)``).
 
-A path uses zarr's ``LocalStore``; any other URL uses ``FsspecStore`` with ``storage_options``.
-On a path, a scratch store's objects go to ``<path>/.scratch-<id>/`` (:meth:`~ZarrBackend.claim_scratch`),
-removed at close or, after a crash, by the next backend opened on the path
-(:mod:`tierstore.backends.private`); other URLs cannot mark a live owner, so there they stay among
-the rest.
+A path uses zarr's ``LocalStore``; any other URL uses ``FsspecStore`` with ``storage_options``. On a
+path, a scratch store's objects go to ``<path>/.scratch-<id>/`` (`claim_scratch`), removed at close
+or, after a crash, by the next backend opened on the path (`tierstore.backends.private`); other URLs
+cannot mark a live owner, so there they stay among the rest.
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ class ZarrBackend(Backend):
     """Objects as 1-D uint8 Zarr v3 arrays (the module docstring gives the layout).
 
     Args:
-        options: a :class:`ZarrOptions`.
+        options: a `ZarrOptions`.
 
     Raises:
         UnwritablePathError: a local path cannot be created or written.
@@ -108,17 +107,17 @@ class ZarrBackend(Backend):
 
     @classmethod
     def options_from_url(cls, scheme: str, location: str, query: Mapping[str, str]) -> dict[str, Any]:
-        """Implements :meth:`Backend.options_from_url`: ``zarr+s3://b/p`` is ``url="s3://b/p"``."""
+        """Implements [`Backend.options_from_url`][]: ``zarr+s3://b/p`` is ``url="s3://b/p"``."""
         protocol = scheme.partition("+")[2] or "file"
         return {"url": f"{protocol}://{location}", **query}
 
     def location(self) -> Location:
-        """Implements :meth:`Backend.location`: a path's directory, or the normalised URL."""
+        """Implements [`Backend.location`][]: a path's directory, or the normalised URL."""
         return self._location
 
     def claim_scratch(self) -> None:
-        """Implements :meth:`Backend.claim_scratch` on a path (``.scratch-<id>/``); other URLs
-        cannot mark a live owner, so there it does nothing."""
+        """Implements [`Backend.claim_scratch`][] on a path (``.scratch-<id>/``); other URLs cannot
+        mark a live owner, so there it does nothing."""
         self._check_open()
         if self.local_root is not None and self._scratch is None:
             self._scratch = PrivateDirectory(self.local_root, "scratch")
@@ -129,7 +128,8 @@ class ZarrBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        """Implements :attr:`Backend.capabilities`: offsets on chunk edges; ``zarr+memory`` is volatile."""
+        """Implements [`Backend.capabilities`][]: offsets on chunk edges; ``zarr+memory`` is
+        volatile."""
         return Capabilities(
             alignment=self._chunk,
             chunk_bytes=self._chunk,
@@ -140,7 +140,7 @@ class ZarrBackend(Backend):
 
     # -- data path --------------------------------------------------------------------------------
     def _write(self, name: str, offset: int, data: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._write`: the array is created or grown before the data moves."""
+        """Implements `Backend._write`: the array is created or grown before the data moves."""
         array = self._prepare(name, offset + data.nbytes)
         if self._raw(array):
             chunk = int(array.chunks[0])
@@ -186,7 +186,7 @@ class ZarrBackend(Backend):
         return array
 
     def _read_into(self, name: str, offset: int, out: memoryview) -> Future[None]:
-        """Implements :meth:`Backend._read_into`: a chunk never written reads as zeros."""
+        """Implements `Backend._read_into`: a chunk never written reads as zeros."""
         array = self._array(name)
         self._check_present(name)
         if self._raw(array):
@@ -248,7 +248,7 @@ class ZarrBackend(Backend):
         return array
 
     def _delete(self, name: str) -> None:
-        """Implements :meth:`Backend._delete`: the array's whole directory goes."""
+        """Implements `Backend._delete`: the array's whole directory goes."""
         with self._lock:
             if name not in self._arrays and not self._stored(name):
                 raise KeyNotFoundError(f"zarr: no object {name!r} in {self.options.url}")
@@ -256,20 +256,20 @@ class ZarrBackend(Backend):
             sync(self.store.delete_dir(name))
 
     def _exists(self, name: str) -> bool:
-        """Implements :meth:`Backend._exists`: an array's ``zarr.json`` marks it."""
+        """Implements `Backend._exists`: an array's ``zarr.json`` marks it."""
         return name in self._arrays or self._stored(name)
 
     def _size(self, name: str) -> int:
-        """Implements :meth:`Backend._size`: the array's length."""
+        """Implements `Backend._size`: the array's length."""
         return int(self._array(name).shape[0])
 
     def _list(self) -> list[str]:
-        """Implements :meth:`Backend._list`: the arrays at the store's root."""
+        """Implements `Backend._list`: the arrays at the store's root."""
         entries = sync(_collect(self.store.list_dir("")))
         return [entry for entry in entries if NAME_PATTERN.fullmatch(entry) and self._exists(entry)]
 
     def _close(self) -> None:
-        """Implements :meth:`Backend._close`: a scratch store's directory is removed."""
+        """Implements `Backend._close`: a scratch store's directory is removed."""
         self._pool.shutdown(wait=True)
         self._arrays.clear()
         self.store.close()

@@ -2,15 +2,15 @@
 retention, on one background thread of the coordinating writer.
 
 A checkpoint is copied data store by data store: each store it uses on the source tier is opened
-read-only and copied with :meth:`TierStore.copy_to` into a new store of the destination tier,
-under the same keys. Where the two tiers' backends can copy without this process (nvme to nvme: a
-hard link on one file system, a kernel copy across two), no byte passes through memory and the
-checksums are carried over; elsewhere (Zarr on a parallel file system, a remote mount) each key is
-read back, its checksums checked, and written out, one key (at most a quarter of ``cache.budget``)
-at a time. The destination's commit record is written last, with the items pointing to the new
-stores: until then the checkpoint is not on that tier, and an interrupted drain leaves only
-stores no record uses, for the next writer to collect (:meth:`CheckpointTier.collect`), and the
-checkpoint still pending, which the next coordinating writer drains again.
+read-only and copied with [`TierStore.copy_to`][] into a new store of the destination tier, under
+the same keys. Where the two tiers' backends can copy without this process (nvme to nvme: a hard
+link on one file system, a kernel copy across two), no byte passes through memory and the checksums
+are carried over; elsewhere (Zarr on a parallel file system, a remote mount) each key is read back,
+its checksums checked, and written out, one key (at most a quarter of ``cache.budget``) at a time.
+The destination's commit record is written last, with the items pointing to the new stores: until
+then the checkpoint is not on that tier, and an interrupted drain leaves only stores no record uses,
+for the next writer to collect (`CheckpointTier.collect`), and the checkpoint still pending, which
+the next coordinating writer drains again.
 
 Retention then keeps the newest ``keep`` checkpoints of each tier (None: all), deleting a
 checkpoint from a tier before the last only once the last tier holds it (it is *durable*).

@@ -1,8 +1,8 @@
 """How checkpoints lie on a tier: stores, the commit record, and what an item points to.
 
-A checkpoint tier keeps persistent :class:`~tierstore.TierStore` manifests under
-``<root>/.checkpoints`` (``<root>``: the local directory of the tier's first path), their objects
-on the tier's paths, striped and checksummed by the store:
+A checkpoint tier keeps persistent [`TierStore`][] manifests under ``<root>/.checkpoints``
+(``<root>``: the local directory of the tier's first path), their objects on the tier's paths,
+striped and checksummed by the store:
 
 * **data stores** ``d-<session><n>``: on the first tier, one per writer, open (and so locked)
   while the writer lives, its keys ``<save id>/<n>`` holding every save's items, a large item cut into
@@ -10,10 +10,9 @@ on the tier's paths, striped and checksummed by the store:
   key>``); on the following tiers, one per drained (checkpoint, source
   store), holding the source's keys;
 * **commit stores** ``c-<name>-<session><n>``: one per committed checkpoint, with a single key
-  :data:`RECORD_KEY`, written last: a header (magic, payload length, xxHash3 of the payload) and
-  the payload, which holds the checkpoint's name and save id and DCP's
-  :class:`~torch.distributed.checkpoint.metadata.Metadata` whose ``storage_data`` says, for each
-  item, which keys of which data store hold it (:data:`Item`).
+  `RECORD_KEY`, written last: a header (magic, payload length, xxHash3 of the payload) and the
+  payload, which holds the checkpoint's name and save id and DCP's `Metadata` whose ``storage_data``
+  says, for each item, which keys of which data store hold it (`Item`).
 
 A commit store without a whole record commits nothing, so a checkpoint whose save (or drain) was
 interrupted at any point is simply not there, and the one before it is. When two records name the
@@ -104,8 +103,8 @@ class Committed:
 
 
 def checkpoint_name(checkpoint_id: str | os.PathLike[str]) -> str:
-    """The name in a checkpoint id, ``tierstore://<name>`` or ``<name>``;
-    :class:`InvalidKeyError` for anything else."""
+    """The name in a checkpoint id, ``tierstore://<name>`` or ``<name>``; [`InvalidKeyError`][] for
+    anything else."""
     text = os.fspath(checkpoint_id)
     name = text.removeprefix(SCHEME)
     if not NAME.fullmatch(name):

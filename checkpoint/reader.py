@@ -46,22 +46,22 @@ class _Read:
     reads: list[Future[torch.Tensor]]
     direct: bool
     holder: tuple[TierStore, str] | None
-    """The store object a stand-in stands for (:mod:`.stored`), put back into its store."""
+    """The store object a stand-in stands for (`stored`), put back into its store."""
 
 
 class TieredStorageReader(TierSet, StorageReader):
-    """Reads DCP checkpoints written by :class:`~tierstore.checkpoint.TieredStorageWriter` from
-    the first tier of the config that holds them. Resharding (a checkpoint of N ranks loaded on M)
-    is DCP's and works as with its own readers.
+    """Reads DCP checkpoints written by [`TieredStorageWriter`][] from the first tier of the config
+    that holds them. Resharding (a checkpoint of N ranks loaded on M) is DCP's and works as with its
+    own readers.
 
-    Every byte read is checked against its checksum: damage raises
-    :class:`~tierstore.ChecksumError` naming the checkpoint, the tier and the item (inside DCP's
-    ``CheckpointException``, which collects each rank's error).
+    Every byte read is checked against its checksum: damage raises [`ChecksumError`][] naming the
+    checkpoint, the tier and the item (inside DCP's ``CheckpointException``, which collects each
+    rank's error).
 
     Args:
-        config: a store config (dict, ``.toml``/``.json`` path or :class:`~tierstore.StoreConfig`)
-            with the same ``tiers`` as the writer's, in the same order; ``cache.budget`` bounds
-            the memory a load reads ahead into.
+        config: a store config (dict, ``.toml``/``.json`` path or [`StoreConfig`][]) with the same
+            ``tiers`` as the writer's, in the same order; ``cache.budget`` bounds the memory a load
+            reads ahead into.
         checkpoint_id: ``tierstore://<name>`` or ``<name>`` (or the one ``dcp.load`` is given);
             None for the newest committed checkpoint.
 

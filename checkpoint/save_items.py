@@ -1,17 +1,16 @@
 """A save's items on their way into the writer's data store on the fast tier.
 
-Each item is ``put`` into the store (:class:`~tierstore.TierStore`) under ``<save id>/<n>``: the
-store copies it into its DRAM write-back cache (the config's ``cache.budget``: page-aligned, so the
-nvme backend writes it with O_DIRECT as it is; kept resident, so a save does not page-fault its way
-through fresh memory) and writes it back when the cache needs room or at the save's ``flush``,
-checksummed and journaled. A CUDA tensor is copied by the store's device layer
-(:mod:`tierstore.device`): on a copy stream, after the work queued on the caller's stream when it
-was put, through a few pinned pieces into the cache; the save's wait (:meth:`SaveItems.wait`)
-returns once those copies have ended.
-The cache is the budget: while it is full, a put waits for a write-back, so a save never holds
-more than the budget however large the state. An item larger than :func:`object_bytes` is cut
-into several keys, so that every key fits the cache; items smaller than ``cache.pack_below``
-share pack objects when written back.
+Each item is ``put`` into the store ([`TierStore`][]) under ``<save id>/<n>``: the store copies it
+into its DRAM write-back cache (the config's ``cache.budget``: page-aligned, so the nvme backend
+writes it with O_DIRECT as it is; kept resident, so a save does not page-fault its way through fresh
+memory) and writes it back when the cache needs room or at the save's ``flush``, checksummed and
+journaled. A CUDA tensor is copied by the store's device layer (`tierstore.device`): on a copy
+stream, after the work queued on the caller's stream when it was put, through a few pinned pieces
+into the cache; the save's wait (`SaveItems.wait`) returns once those copies have ended. The cache
+is the budget: while it is full, a put waits for a write-back, so a save never holds more than the
+budget however large the state. An item larger than `object_bytes` is cut into several keys, so that
+every key fits the cache; items smaller than ``cache.pack_below`` share pack objects when written
+back.
 
 ``dcp.save`` puts every item as DCP resolves it: the small ones stay in the cache, to be packed
 at the flush, the others are written through (to the tier as soon as they are copied, several
@@ -21,8 +20,8 @@ stager of
 copies while the state fits the budget; the items the plan gives to other ranks (DCP saves a
 replicated item once) are deleted again before the flush.
 
-A tensor that already lives in a store (:mod:`.stored`) is copied from that store with
-:meth:`TierStore.copy_to`: tier to tier without this process's memory where the backends allow.
+A tensor that already lives in a store (`stored`) is copied from that store with
+[`TierStore.copy_to`][]: tier to tier without this process's memory where the backends allow.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ STORED = "stored/"
 
 def object_bytes(budget: int) -> int:
     """The most bytes of one key a budget allows: a quarter of it, in whole pages, so several
-    write-backs overlap the copy of the next, and at most :data:`MAX_OBJECT_BYTES`."""
+    write-backs overlap the copy of the next, and at most `MAX_OBJECT_BYTES`."""
     size = min(MAX_OBJECT_BYTES, budget // 4 // 4096 * 4096)
     if size < 4096:
         raise ConfigError(
@@ -78,11 +77,11 @@ class SaveItems:
         store: the writer's data store on the fast tier.
         store_name: its name (``d-...``), which the items' descriptions carry.
         save_id: the save's id: its keys' prefix.
-        key_bytes: the most bytes of one key (:func:`object_bytes` of the store's cache budget).
-        copy: whether the caller may change the tensors once :meth:`wait` returns (the stager of
-            ``dcp.async_save``): every item stays in the store's cache until :meth:`write`.
-            Otherwise (a ``dcp.save``, whose caller waits for :meth:`write`) the items the store
-            does not pack are written through as they are put.
+        key_bytes: the most bytes of one key (`object_bytes` of the store's cache budget).
+        copy: whether the caller may change the tensors once `wait` returns (the stager of
+            ``dcp.async_save``): every item stays in the store's cache until `write`. Otherwise (a
+            ``dcp.save``, whose caller waits for `write`) the items the store does not pack are
+            written through as they are put.
     """
 
     def __init__(
@@ -108,9 +107,8 @@ class SaveItems:
         return self._entries[key].nbytes
 
     def add(self, key: Hashable, data: torch.Tensor | io.BytesIO) -> None:
-        """Put a tensor (any device, layout or strides), a store object's stand-in (:mod:`.stored`)
-        or serialized bytes into the store; the caller may change ``data`` once :meth:`wait`
-        returns."""
+        """Put a tensor (any device, layout or strides), a store object's stand-in (`stored`) or
+        serialized bytes into the store; the caller may change ``data`` once `wait` returns."""
         if isinstance(data, torch.Tensor) and (found := owner(data)) is not None:
             self._add_stored(key, data, *found)
             return
@@ -141,7 +139,7 @@ class SaveItems:
             entry.keys.append(name)
 
     def _add_stored(self, key: Hashable, stand_in: torch.Tensor, store: TierStore, name: str) -> None:
-        """A store object, copied from its store's tier (see :mod:`.stored`)."""
+        """A store object, copied from its store's tier (see `stored`)."""
         info = store.info(name)
         shape, dtype = tuple(stand_in.shape), stand_in.dtype
         if info.shape != shape or info.dtype != dtype:

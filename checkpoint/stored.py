@@ -1,13 +1,13 @@
-"""Tensors that already live in a :class:`~tierstore.TierStore` (an offloaded optimizer's state),
-checkpointed tier to tier instead of through the training process's memory.
+"""Tensors that already live in a [`TierStore`][] (an offloaded optimizer's state), checkpointed
+tier to tier instead of through the training process's memory.
 
-:func:`stored_tensors` puts stand-ins for store objects into a state dict: tensors of the
-objects' shapes and dtypes that hold no data (one element, expanded). A save of one copies the
-object's committed version from its store into the writer's with :meth:`TierStore.copy_to`
-(written back first if it is only in DRAM): without reading it where the backends allow (a hard
-link where both are nvme directories on one file system, a kernel copy between nvme directories
-on two), else read into memory and put like any tensor. A load into one puts the saved object
-back into the store under its key.
+[`stored_tensors`][] puts stand-ins for store objects into a state dict: tensors of the objects'
+shapes and dtypes that hold no data (one element, expanded). A save of one copies the object's
+committed version from its store into the writer's with [`TierStore.copy_to`][] (written back first
+if it is only in DRAM): without reading it where the backends allow (a hard link where both are nvme
+directories on one file system, a kernel copy between nvme directories on two), else read into
+memory and put like any tensor. A load into one puts the saved object back into the store under its
+key.
 
 The store's workloads must leave those keys alone while a save or a load runs (the training
 loop is paused in ``dcp.save``, and in ``dcp.async_save`` until its staging returns). Each rank
@@ -28,11 +28,11 @@ from ..store import TierStore
 
 
 class StoredTensor(torch.Tensor):
-    """A stand-in for a store object in a state dict (see :func:`stored_tensors`).
+    """A stand-in for a store object in a state dict (see [`stored_tensors`][]).
 
     A tensor of the object's shape and dtype that holds no data (one element, expanded); a save
-    copies the object tier to tier, a load puts the saved object back into the store. Create
-    them with :func:`stored_tensors`, not directly.
+    copies the object tier to tier, a load puts the saved object back into the store. Create them
+    with [`stored_tensors`][], not directly.
     """
 
 
@@ -49,7 +49,7 @@ def stored_tensors(store: TierStore, keys: Iterable[str]) -> dict[str, torch.Ten
         keys: the objects' keys; each must be committed.
 
     Returns:
-        By key, a :class:`StoredTensor` of the object's shape and dtype.
+        By key, a [`StoredTensor`][] of the object's shape and dtype.
 
     Raises:
         KeyNotFoundError: a key has no committed object.

@@ -1,6 +1,6 @@
-"""One tier of a store config as a home for checkpoints, through :class:`~tierstore.TierStore`:
-opening its data and commit stores, committing and listing records, deleting checkpoints and
-collecting leftovers (the on-tier format is in :mod:`.format`).
+"""One tier of a store config as a home for checkpoints, through [`TierStore`][]: opening its data
+and commit stores, committing and listing records, deleting checkpoints and collecting leftovers
+(the on-tier format is in `format`).
 
 A writer holds a *session* on each tier it writes: a lock file ``s-<session>.lock`` in the
 tier's checkpoint directory, held while the process lives (the kernel drops it when the process
@@ -116,8 +116,8 @@ class CheckpointTier:
         memory_budget: int | None = None,
         workers: int = 4,
     ) -> TierStore:
-        """Open the persistent store ``store`` (``d-...`` or ``c-...``) of this tier (the
-        arguments are :class:`~tierstore.TierStore`'s).
+        """Open the persistent store ``store`` (``d-...`` or ``c-...``) of this tier (the arguments
+        are [`TierStore`][]'s).
 
         Raises:
             StoreLockedError: (writable) another process or store has it open.
@@ -246,8 +246,8 @@ class CheckpointTier:
         """Uncommit checkpoint ``record`` (its record goes first), then delete its keys from its
         data stores, each store marked (``x-``) while the deletion is under way. ``own`` is this
         writer's open data store (name, store), whose keys it deletes itself; a data store that
-        another writer (or a collection) has open keeps the keys, marked (``u-``), until its
-        holder releases them (:meth:`release_unreferenced`) or the next writer collects them."""
+        another writer (or a collection) has open keeps the keys, marked (``u-``), until its holder
+        releases them (`release_unreferenced`) or the next writer collects them."""
         with self._lock:
             self._records.pop(record.store, None)
         used = record.keys_by_store()
@@ -487,7 +487,7 @@ def open_tiers(config: StoreConfig, *, writable: bool) -> list[CheckpointTier]:
 
 def _checkpoint_directory(config: TierConfig, where: str) -> Path:
     """``<root>/.checkpoints`` for a tier whose paths all persist and whose first path is a local
-    directory (the manifests' home); :class:`ConfigError` otherwise."""
+    directory (the manifests' home); [`ConfigError`][] otherwise."""
     tier = Tier.from_config(config, where=where)
     try:
         for path in tier.paths:
@@ -524,7 +524,7 @@ def _delete_from(store: TierStore, doomed: Callable[[str], bool]) -> None:
 
 
 def _unused_marks(entries: list[str]) -> dict[str, list[str]]:
-    """The :data:`UNUSED` marks among ``entries``, by store."""
+    """The `UNUSED` marks among ``entries``, by store."""
     marks: dict[str, list[str]] = {}
     for entry in entries:
         match = UNUSED.fullmatch(entry)

@@ -31,8 +31,8 @@ FAST_TIER_KEEP = 2
 
 
 class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
-    """Writes DCP checkpoints to the first tier of a tierstore config and drains them to the
-    others (see :mod:`tierstore.checkpoint`).
+    """Writes DCP checkpoints to the first tier of a tierstore config and drains them to the others
+    (see `tierstore.checkpoint`).
 
     Every rank writes its items to the first tier (striped over its paths), into a persistent
     store of its own that the writer holds open while it lives, and ``dcp.save`` returns once the
@@ -41,22 +41,21 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
     before the last only once the last tier holds it; its data leaves a rank's store when that
     rank's writer next saves or closes.
 
-    Opening the writer collects what interrupted saves, drains and deletions of processes that
-    died left on the tiers; where every earlier writer closed, it reads no checkpoint, however
-    many the tiers hold. Like DCP's own writers, one writer serves one save at a time: an
-    ``async_save`` waits in its staging until the previous save has written its data. Use the
-    thread checkpointer of ``dcp.async_save`` (the default): the process one cannot carry this
-    writer to its child process. :meth:`close` (or the ``with`` block) waits for the drain.
+    Opening the writer collects what interrupted saves, drains and deletions of processes that died
+    left on the tiers; where every earlier writer closed, it reads no checkpoint, however many the
+    tiers hold. Like DCP's own writers, one writer serves one save at a time: an ``async_save``
+    waits in its staging until the previous save has written its data. Use the thread checkpointer
+    of ``dcp.async_save`` (the default): the process one cannot carry this writer to its child
+    process. [`close`][] (or the ``with`` block) waits for the drain.
 
     Args:
-        config: a store config (dict, ``.toml``/``.json`` path or :class:`~tierstore.StoreConfig`)
-            whose ``tiers`` are where checkpoints go, fastest first. ``cache.budget`` is the DRAM
-            a save stages through (``dcp.async_save`` copies the state into it instead of a
-            second full copy), ``cache.pack_below`` the size under which items share pack
-            objects, and ``memory_budget`` (if set) bounds that cache with whatever else the
-            writer's store reserves. A tier's ``capacity`` bounds each store on it: one writer's
-            data, or one drained checkpoint's. The other fields of a store config do not apply to
-            checkpoints.
+        config: a store config (dict, ``.toml``/``.json`` path or [`StoreConfig`][]) whose ``tiers``
+            are where checkpoints go, fastest first. ``cache.budget`` is the DRAM a save stages
+            through (``dcp.async_save`` copies the state into it instead of a second full copy),
+            ``cache.pack_below`` the size under which items share pack objects, and
+            ``memory_budget`` (if set) bounds that cache with whatever else the writer's store
+            reserves. A tier's ``capacity`` bounds each store on it: one writer's data, or one
+            drained checkpoint's. The other fields of a store config do not apply to checkpoints.
         keep: how many checkpoints each tier keeps, by tier name (a value of None: all). Tiers
             left out keep the default: the first tier the newest 2 when there are tiers after it,
             every other tier all.
@@ -211,7 +210,7 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
 
         Raises:
             BufferMismatchError: a tensor subclass other than a DTensor, a ``Parameter`` or a
-                :class:`StoredTensor` (save it with ``dcp.save``).
+                [`StoredTensor`][] (save it with ``dcp.save``).
             StoreClosedError: the writer is closed.
         """
         self._check_open()
@@ -248,7 +247,7 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
         return unflatten_state_dict(planned, mappings)
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` returns once the state is copied."""
+        """Nothing to wait for: [`stage`][] returns once the state is copied."""
 
     # -- the drain --------------------------------------------------------------------------------
     def drain(self, *, wait: bool = True) -> None:
@@ -259,8 +258,8 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
                 the background.
 
         Raises:
-            BackendIOError: with ``wait``, a copy failed (a :class:`ChecksumError` for damaged
-                data); the drain's own error.
+            BackendIOError: with ``wait``, a copy failed (a [`ChecksumError`][] for damaged data);
+                the drain's own error.
             CapacityError: with ``wait``, the memory budget cannot hold an object the drain
                 copies through memory.
             StoreClosedError: the writer is closed.
@@ -287,8 +286,8 @@ class TieredStorageWriter(TierSet, StorageWriter, AsyncStager):
             ``timeout`` seconds passed first.
 
         Raises:
-            BackendIOError: its drain failed (a :class:`ChecksumError` for damaged data); the
-                drain's own error.
+            BackendIOError: its drain failed (a [`ChecksumError`][] for damaged data); the drain's
+                own error.
             CapacityError: its drain could not get the memory to copy an object through.
             InvalidKeyError: ``checkpoint_id`` is not a valid checkpoint name.
         """

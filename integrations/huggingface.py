@@ -4,9 +4,9 @@ training script.
     TIERSTORE_ACTIVATIONS=activations.toml python train.py --gradient_checkpointing ...
 
 The variable is ``1`` (every default) or the path of a TOML or JSON document: an ``activations``
-table holding :class:`~tierstore.activations.ActivationOffload`'s options, beside the store's own
-config (``tiers``, ``cache``, ... as :meth:`TierStore.from_config` reads them; without ``tiers``,
-the embedded default: one NVMe tier under ``./tierstore-data``)::
+table holding [`ActivationOffload`][]'s options, beside the store's own config (``tiers``,
+``cache``, ... as [`TierStore.from_config`][] reads them; without ``tiers``, the embedded default:
+one NVMe tier under ``./tierstore-data``)::
 
     [activations]
     budget = "8GiB"                 # pinned host memory
@@ -19,18 +19,17 @@ the embedded default: one NVMe tier under ``./tierstore-data``)::
     backend = { type = "nvme", path = "/local/nvme/activations" }
 
 tierstore installs ``tierstore-activations.pth`` into site-packages; Python runs its one line at
-start-up, which imports this module only when the variable is set. :func:`install` then adds
-:class:`ActivationsCallback` to the callbacks every ``Trainer`` starts with
+start-up, which imports this module only when the variable is set. `install` then adds
+`ActivationsCallback` to the callbacks every ``Trainer`` starts with
 (``transformers.trainer.DEFAULT_CALLBACKS``) as soon as ``transformers.trainer`` has been imported.
 At the start of training the callback opens the store and an offloader attached to the model
-(:meth:`ActivationOffload.attach`: forward hooks, so models wrapped by DDP or sharded by FSDP2's
+([`ActivationOffload.attach`][]: forward hooks, so models wrapped by DDP or sharded by FSDP2's
 ``fully_shard`` work too; with ``scope = "checkpoint-inputs"``, the model's gradient checkpointing
 marks its layers' inputs). Each step's report goes to the ``tierstore.activations`` logger; at the
 end of training the offloader's figures are logged (INFO) and the offloader and store are closed.
 
 A DeepSpeed run whose config has a ``tierstore.activations`` section (``TIERSTORE_DEEPSPEED``)
-offloads through the engine already: both at once is refused with a
-:class:`~tierstore.errors.ConfigError`.
+offloads through the engine already: both at once is refused with a [`ConfigError`][].
 """
 
 from __future__ import annotations
@@ -64,26 +63,26 @@ _log = logging.getLogger("tierstore.activations")
 
 
 def requested() -> bool:
-    """Whether :data:`VARIABLE` switches activation offload on."""
+    """Whether `VARIABLE` switches activation offload on."""
     return os.environ.get(VARIABLE, "").strip().lower() not in OFF
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What :data:`VARIABLE` asks for."""
+    """What `VARIABLE` asks for."""
 
     store: dict[str, Any]
-    """The store's config document (for :meth:`TierStore.from_config`)."""
+    """The store's config document (for [`TierStore.from_config`][])."""
     options: ActivationOptions
     """The offloader's options."""
 
 
 def settings(value: str | None = None) -> Settings:
-    """The settings :data:`VARIABLE` (or ``value``) names.
+    """The settings `VARIABLE` (or ``value``) names.
 
     Args:
-        value: ``1`` (or ``true``, ``yes``, ``on``) for every default, or the path of a TOML or
-            JSON document (see the module docstring); None reads :data:`VARIABLE`.
+        value: ``1`` (or ``true``, ``yes``, ``on``) for every default, or the path of a TOML or JSON
+            document (see the module docstring); None reads `VARIABLE`.
 
     Raises:
         ConfigError: the file cannot be read or parsed, or an option is invalid (the message
@@ -118,7 +117,7 @@ def settings(value: str | None = None) -> Settings:
 
 
 def install() -> None:
-    """Add :class:`ActivationsCallback` to every ``Trainer``'s default callbacks, now if
+    """Add `ActivationsCallback` to every ``Trainer``'s default callbacks, now if
     ``transformers.trainer`` is imported, else right after it is."""
     after_import("transformers.trainer", _add_callback)
 
@@ -133,13 +132,13 @@ def _add_callback() -> None:
 
 @functools.cache
 def activations_callback() -> type[Any]:
-    """:class:`ActivationsCallback`, a ``transformers.TrainerCallback`` (made at the first call:
-    this module imports no part of transformers before the training script does)."""
+    """`ActivationsCallback`, a ``transformers.TrainerCallback`` (made at the first call: this
+    module imports no part of transformers before the training script does)."""
     from transformers import TrainerCallback
 
     class ActivationsCallback(TrainerCallback):
-        """Offloads the activations of the model a ``Trainer`` trains, from the start of training
-        to its end, as :data:`VARIABLE` says (see the module docstring)."""
+        """Offloads the activations of the model a ``Trainer`` trains, from the start of training to
+        its end, as `VARIABLE` says (see the module docstring)."""
 
         def __init__(self) -> None:
             self.store: TierStore | None = None

@@ -1,16 +1,15 @@
 """AdamW with its fp32 state offloaded to a TierStore, staged sub-group by sub-group.
 
-The model keeps its parameters and gradients in memory. Each sub-group's state lives in the store
-as one object, rows of ``numel`` fp32 values: ``exp_avg | exp_avg_sq`` (8 bytes per parameter), with
+The model keeps its parameters and gradients in memory. Each sub-group's state lives in the store as
+one object, rows of ``numel`` fp32 values: ``exp_avg | exp_avg_sq`` (8 bytes per parameter), with
 ``max_exp_avg_sq`` after them for a group with ``amsgrad``, and the fp32 master weights before them
 for a group with low-precision (bf16/fp16) parameters (12 bytes per parameter). fp32 parameters are
 their own master weights, updated in place; in a group that mixes them with low-precision ones the
 master row is there for every piece but is neither read nor written for theirs. Sub-groups cut
 parameters as ZeRO-3 does. The step's schedule (overflow and clipping, alternating order,
-read-ahead, write-back, kept sub-groups, delayed gradient conversion) is
-:class:`~tierstore.optimizer.engine.StagedOptimizer`'s; this module supplies the layout and one
-fused AdamW kernel call per sub-group chunk (each piece with its parameter's step count, so pieces
-of parameters with different counts share the call).
+read-ahead, write-back, kept sub-groups, delayed gradient conversion) is [`StagedOptimizer`][]'s;
+this module supplies the layout and one fused AdamW kernel call per sub-group chunk (each piece with
+its parameter's step count, so pieces of parameters with different counts share the call).
 """
 
 from __future__ import annotations
@@ -48,13 +47,13 @@ PART_KINDS: dict[str, RowKind] = {
     "exp_avg_sq": "nonnegative",
     "max_exp_avg_sq": "nonnegative",
 }
-"""What each state part holds, for its stored format (:mod:`~tierstore.optimizer.state_precision`)."""
+"""What each state part holds, for its stored format ([`state_precision`][])."""
 
 
 class AdamWKeywords(StagingKeywords, total=False):
-    """:class:`OffloadedAdamW`'s keyword arguments but ``namespace`` (its hyper-parameters, with
-    its signature's types, and the staging options), typed for a caller passing them on
-    (``**options: Unpack[AdamWKeywords]``); :class:`OffloadedAdamW` documents them."""
+    """[`OffloadedAdamW`][]'s keyword arguments but ``namespace`` (its hyper-parameters, with its
+    signature's types, and the staging options), typed for a caller passing them on
+    (``**options: Unpack[AdamWKeywords]``); [`OffloadedAdamW`][] documents them."""
 
     lr: float
     betas: tuple[float, float]
@@ -69,7 +68,7 @@ class AdamWKeywords(StagingKeywords, total=False):
 
 
 class OffloadedAdamW(StagedOptimizer):
-    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) over a :class:`TierStore`.
+    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) over a [`TierStore`][].
 
     Every option of ``torch.optim.AdamW`` is honoured or refused, as a constructor argument (the
     defaults) or a group key: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
@@ -77,17 +76,16 @@ class OffloadedAdamW(StagedOptimizer):
     gradient, as ``torch.optim.Adam``) are the training's; the kernel is torch's fused AdamW, the
     arithmetic of ``torch.optim.AdamW(fused=True)`` (``fused=None`` is taken to mean it, and the
     groups say ``fused=True``), and ``foreach=True``, ``fused=False``, ``capturable=True`` and
-    ``differentiable=True``, which ask for something else, are refused (:data:`KERNEL_KEYS`). A
-    loaded state dict's ``foreach``, ``fused``, ``capturable`` and ``differentiable`` describe its
-    saver's kernel and are not taken. ``amsgrad`` adds a fourth of state (its bytes counted against
-    ``dram_budget`` and moved every step) and, laying the group's state out, cannot change after
-    the group is added.
+    ``differentiable=True``, which ask for something else, are refused (`KERNEL_KEYS`). A loaded
+    state dict's ``foreach``, ``fused``, ``capturable`` and ``differentiable`` describe its saver's
+    kernel and are not taken. ``amsgrad`` adds a fourth of state (its bytes counted against
+    ``dram_budget`` and moved every step) and, laying the group's state out, cannot change after the
+    group is added.
 
     fp32 parameters are their own master weights (the state holds their two moments, 8 bytes per
-    parameter); low-precision ones get fp32 master weights in the state (12 bytes per parameter)
-    and receive them rounded after each step. A state dict carries ``master_param`` for the
-    low-precision parameters only (see :meth:`~tierstore.optimizer.StagedOptimizer.load_state_dict`
-    for what a loaded one must satisfy).
+    parameter); low-precision ones get fp32 master weights in the state (12 bytes per parameter) and
+    receive them rounded after each step. A state dict carries ``master_param`` for the
+    low-precision parameters only (see `load_state_dict` for what a loaded one must satisfy).
 
     Args:
         params: the parameters (contiguous tensors, each listed once, all in host memory or all
@@ -107,11 +105,11 @@ class OffloadedAdamW(StagedOptimizer):
         differentiable: torch's autograd through the step: False; True is refused.
         fused: torch's fused kernel, the one this optimizer runs: None or True; False is refused.
         namespace: prefixes the state's store keys; claimed on the store for the optimizer's
-            lifetime (see :class:`StagedOptimizer`).
+            lifetime (see [`StagedOptimizer`][]).
         **staging: the staging options (DRAM budget, read-ahead, sub-group size, clipping...),
-            :class:`~tierstore.optimizer.options.StagingKeywords`: each is a field of
-            :class:`~tierstore.optimizer.options.OptimizerOptions`, which gives its default and
-            meaning.
+            [`StagingKeywords`][]: each is a field of
+            [`OptimizerOptions`][tierstore.optimizer.options.OptimizerOptions], which gives its
+            default and meaning.
 
     Raises:
         ConfigError: an argument or group key of the wrong type or out of range, or asking for a
@@ -187,9 +185,8 @@ class OffloadedAdamW(StagedOptimizer):
         return len(self._parts(sg)) * sg.numel
 
     def _parts(self, sg: SubGroup) -> tuple[str, ...]:
-        """The parts of the sub-group's state object, in order (:data:`STATE_PARTS`): a master row
-        if its group has a low-precision parameter, the moments, and ``max_exp_avg_sq`` for
-        ``amsgrad``."""
+        """The parts of the sub-group's state object, in order (`STATE_PARTS`): a master row if its
+        group has a low-precision parameter, the moments, and ``max_exp_avg_sq`` for ``amsgrad``."""
         parts = STATE_PARTS if self._layouts[sg.group]["amsgrad"] else STATE_PARTS[:-1]
         if all(self._own_masters[number] for number in self._group_params(sg.group)):
             return parts[1:]
@@ -300,9 +297,9 @@ class OffloadedAdamW(StagedOptimizer):
 
 
 def _check_adamw_group(group: dict[str, Any], where: str) -> None:
-    """An AdamW group's keys (the defaults, or a parameter group's): a :class:`ConfigError` naming
-    the key for a bad one or a kernel this optimizer does not run; ``fused`` is set to True (the
-    kernel it runs)."""
+    """An AdamW group's keys (the defaults, or a parameter group's): a [`ConfigError`][] naming the
+    key for a bad one or a kernel this optimizer does not run; ``fused`` is set to True (the kernel
+    it runs)."""
     _check_flags(group, where, ("amsgrad", "maximize", "decoupled_weight_decay"))
     _check_hyperparameters(group, where)
     for key, honoured in KERNEL_KEYS.items():
@@ -318,15 +315,16 @@ def _check_adamw_group(group: dict[str, Any], where: str) -> None:
 
 
 def _check_flags(group: dict[str, Any], where: str, names: tuple[str, ...]) -> None:
-    """Boolean hyper-parameters (``amsgrad``, ``maximize``...): a :class:`ConfigError` naming the key."""
+    """Boolean hyper-parameters (``amsgrad``, ``maximize``...): a [`ConfigError`][] naming the
+    key."""
     for name in names:
         if not isinstance(group.get(name), bool):
             raise ConfigError(f"{where}{name}: must be True or False, got {group.get(name)!r}")
 
 
 def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
-    """AdamW's hyper-parameters (the defaults, or a parameter group's): a :class:`ConfigError`
-    naming the field, rather than a wrong update or a failure deep inside the first step."""
+    """AdamW's hyper-parameters (the defaults, or a parameter group's): a [`ConfigError`][] naming
+    the field, rather than a wrong update or a failure deep inside the first step."""
     for name in ("lr", "eps", "weight_decay"):
         if not is_real(group[name]) or group[name] < 0.0:
             raise ConfigError(f"{where}{name}: must be a finite number >= 0, got {group[name]!r}")

@@ -90,18 +90,18 @@ class _Slot:
 
 
 class OffloadedAPOLLO(StagedOptimizer):
-    """``apollo_torch.APOLLOAdamW`` over a :class:`TierStore`, staged as :class:`OffloadedAdamW` is.
+    """``apollo_torch.APOLLOAdamW`` over a [`TierStore`][], staged as [`OffloadedAdamW`][] is.
 
     Groups take ``apollo_torch``'s keys: ``rank`` (a group without it gets AdamW), ``proj``
     (``"random"``), ``scale_type`` (``"tensor"`` or ``"channel"``), ``scale``, ``update_proj_gap``,
     ``proj_type`` (``"std"``, ``"reverse_std"``, ``"left"``, ``"right"``), and ``correct_bias``;
-    ``scale_front`` and ``disable_nl`` are its constructor flags. APOLLO-Mini is ``rank=1,
-    scale_type="tensor"`` (the paper uses ``scale=128``; :data:`APOLLO_MINI`). ``max_grad_norm``,
-    ``grad_scale`` and overflow skipping are the engine's, as for AdamW. ``maximize`` and
-    ``amsgrad``, which ``apollo_torch`` does not have, are refused as group keys; ``rank`` and
-    ``proj_type`` lay a group's state out, so they cannot change after the group is added. As for
-    :class:`OffloadedAdamW`, an fp32 parameter is its own master weights (no ``master_param`` in
-    its state) and a low-precision one has fp32 master weights in the state.
+    ``scale_front`` and ``disable_nl`` are its constructor flags. APOLLO-Mini is
+    ``rank=1, scale_type="tensor"`` (the paper uses ``scale=128``; [`APOLLO_MINI`][]).
+    ``max_grad_norm``, ``grad_scale`` and overflow skipping are the engine's, as for AdamW.
+    ``maximize`` and ``amsgrad``, which ``apollo_torch`` does not have, are refused as group keys;
+    ``rank`` and ``proj_type`` lay a group's state out, so they cannot change after the group is
+    added. As for [`OffloadedAdamW`][], an fp32 parameter is its own master weights (no
+    ``master_param`` in its state) and a low-precision one has fp32 master weights in the state.
 
     Args:
         params: the parameters (contiguous tensors, each listed once, all in host memory or all
@@ -118,11 +118,11 @@ class OffloadedAPOLLO(StagedOptimizer):
             after it (``apollo_torch``'s flag).
         disable_nl: turn Fira's norm-growth limiter off.
         namespace: prefixes the state's store keys; claimed on the store for the optimizer's
-            lifetime (see :class:`StagedOptimizer`).
+            lifetime (see [`StagedOptimizer`][]).
         **staging: the staging options (DRAM budget, read-ahead, sub-group size, clipping...),
-            :class:`~tierstore.optimizer.options.StagingKeywords`: each is a field of
-            :class:`~tierstore.optimizer.options.OptimizerOptions`, which gives its default and
-            meaning.
+            [`StagingKeywords`][]: each is a field of
+            [`OptimizerOptions`][tierstore.optimizer.options.OptimizerOptions], which gives its
+            default and meaning.
 
     Raises:
         ConfigError: an argument or group key of the wrong type or out of range (the message
@@ -405,9 +405,8 @@ def _side(shape: torch.Size, proj_type: str) -> Literal["left", "right"]:
 
 def _check_group(group: dict[str, Any], where: str) -> None:
     """AdamW's hyper-parameters, ``correct_bias``, and for a group with ``rank`` the projection's
-    keys (missing ones take :data:`PROJECTION_DEFAULTS`): a :class:`ConfigError` naming the field.
-    torch's ``maximize`` and ``amsgrad``, which APOLLO does not have, are refused rather than
-    ignored."""
+    keys (missing ones take `PROJECTION_DEFAULTS`): a [`ConfigError`][] naming the field. torch's
+    ``maximize`` and ``amsgrad``, which APOLLO does not have, are refused rather than ignored."""
     for key in ("maximize", "amsgrad"):
         if group.get(key, False) is not False:
             raise ConfigError(

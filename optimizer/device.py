@@ -1,14 +1,14 @@
 """The device path of the offloaded optimizers: state of parameters on a GPU, streamed between the
 store and the device a sub-group at a time and updated there.
 
-An optimizer whose parameters are on a device (a GPU) stages its state through a
-:class:`DeviceStager` instead of a plain :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`. The
-state lives in three places, each bounded by its own budget:
+An optimizer whose parameters are on a device (a GPU) stages its state through a [`DeviceStager`][]
+instead of a plain `SubGroupStager`. The state lives in three places, each bounded by its own
+budget:
 
 * on the device: the sub-groups that fit ``gpu_budget`` (bytes of device memory) stay there between
   steps; they are read from the store once, at the first step that updates them, and cross the bus
   again only when the store must hold the whole state (a state dict, a snapshot, a checkpoint,
-  :meth:`~SubGroupStager.close`);
+  `close`);
 * in pinned host memory: the read-ahead ring and the sub-groups ``dram_budget`` keeps between steps
   (chosen by the I/O model, as on the CPU path), page-locked so that copies to and from the device
   run on its copy engines, asynchronously;
@@ -16,10 +16,10 @@ state lives in three places, each bounded by its own budget:
 
 One pass (a step's update) visits the sub-groups kept on the device first (no copy: their kernels
 run while the first streamed sub-group crosses the bus), then the others in the pass order the
-stager got. For each streamed sub-group ``k``, all on the device layer (:mod:`tierstore.device`):
+stager got. For each streamed sub-group ``k``, all on the device layer (`tierstore.device`):
 
 1. its state is read from the store into a ring buffer (or found kept in a pool buffer), as on the
-   CPU path (:meth:`~SubGroupStager.acquire`);
+   CPU path (`acquire`);
 2. it is copied to a device *slot* on the upload copy stream, after the slot's previous download has
    ended; the caller's (compute) stream waits for the copy before the sub-group's kernels;
 3. its kernels (the optimizer's update, with the gradients where they are, the new weights written
@@ -27,7 +27,7 @@ stager got. For each streamed sub-group ``k``, all on the device layer (:mod:`ti
 4. the updated state is copied back into the same host buffer on the download copy stream, after
    the kernels;
 5. once that copy has ended, the host buffer goes back to the stager: kept in DRAM or written back
-   to the store (:meth:`~SubGroupStager.release`).
+   to the store (`release`).
 
 The host queues ``k``'s kernels, then ``k``'s download, then ``k+1``'s upload, and waits only for
 what it needs next: so while the device updates sub-group ``k``, ``k+1`` is on its way up and
@@ -35,7 +35,7 @@ what it needs next: so while the device updates sub-group ``k``, ``k+1`` is on i
 
 Lifetimes (what holds what, until when):
 
-* a **slot** (device memory for the largest sub-group's state, :data:`DEVICE_SLOTS` of them) is
+* a **slot** (device memory for the largest sub-group's state, [`DEVICE_SLOTS`][] of them) is
   allocated on the caller's stream at the pass's first use of it, after which the caller's stream
   records an event that its first upload waits for (the allocator may hand out memory that kernels
   queued earlier still read); it is reused for the sub-group after next, whose upload waits for the
@@ -43,16 +43,15 @@ Lifetimes (what holds what, until when):
   end, once every copy has ended;
 * a **host buffer** is held from the sub-group's acquire until its download has ended (the upload
   reads it, the download writes it: each transfer also holds it until the copy ends); at most
-  :data:`DEVICE_SLOTS` are held at once, so the ring has that many buffers beyond
-  ``prefetch_depth``, which stay for the reads ahead and the write-backs;
+  [`DEVICE_SLOTS`][] are held at once, so the ring has that many buffers beyond ``prefetch_depth``,
+  which stay for the reads ahead and the write-backs;
 * a sub-group **kept on the device** is allocated on the caller's stream at its first pass and
   filled by one upload; its host buffer is given back, unwritten, once that upload has ended; it
-  lives until the store's copy is rewritten (:meth:`~SubGroupStager.write`,
-  :meth:`~SubGroupStager.drop_resident`) or the stager closes.
+  lives until the store's copy is rewritten (`write`, `drop_resident`) or the stager closes.
 
-Device memory beyond ``gpu_budget`` is so bounded by the slots (:attr:`DeviceStager.slot_device_bytes`)
-and what the optimizer's kernels use beside them (its gradient buffer, a few scalars): see
-:attr:`tierstore.optimizer.StagedOptimizer.device_staging_bytes`.
+Device memory beyond ``gpu_budget`` is so bounded by the slots
+([`DeviceStager.slot_device_bytes`][]) and what the optimizer's kernels use beside them (its
+gradient buffer, a few scalars): see [`tierstore.optimizer.StagedOptimizer.device_staging_bytes`][].
 """
 
 from __future__ import annotations
@@ -84,19 +83,17 @@ def device_bytes(nbytes: int) -> int:
 
 
 class DeviceStager(SubGroupStager):
-    """A :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager` whose sub-groups are updated on a
-    device (see the module docstring): pinned buffers, sub-groups kept in device memory within
-    ``gpu_budget``, and :meth:`run_pass`, the pipeline that streams the others through device slots.
+    """A `SubGroupStager` whose sub-groups are updated on a device (see the module docstring):
+    pinned buffers, sub-groups kept in device memory within ``gpu_budget``, and [`run_pass`][], the
+    pipeline that streams the others through device slots.
 
-    What the store holds is kept right as on the CPU path: :meth:`read` and :meth:`flush` copy a
-    sub-group kept on the device down first; :meth:`write` and :meth:`drop_resident` (a state
-    dict or checkpoint rewrote the store) forget the device's copy, to be read again at the next
-    pass.
+    What the store holds is kept right as on the CPU path: [`read`][] and [`flush`][] copy a
+    sub-group kept on the device down first; [`write`][] and [`drop_resident`][] (a state dict or
+    checkpoint rewrote the store) forget the device's copy, to be read again at the next pass.
 
     Args:
-        store: as for :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`; its device runtime
-            pins the buffers.
-        namespace: as for :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`.
+        store: as for `SubGroupStager`; its device runtime pins the buffers.
+        namespace: as for `SubGroupStager`.
         device: the device the parameters (and so the update) are on.
         runtime: the device runtime (the store's: CUDA's, or a test's simulated device).
         gpu_budget: bytes of device memory for sub-groups kept there between passes (whole
@@ -104,15 +101,14 @@ class DeviceStager(SubGroupStager):
         slot_elements: fp32 values of the largest sub-group (the size of each ring buffer and
             device slot).
         dram_budget: bytes of pinned host memory the stager holds: the ring (``prefetch_depth`` +
-            :data:`DEVICE_SLOTS` buffers) and room for sub-groups kept there; None for the ring
-            only.
+            [`DEVICE_SLOTS`][] buffers) and room for sub-groups kept there; None for the ring only.
         prefetch_depth: sub-groups read ahead of the ones the pipeline holds.
         cache_policy: which sub-groups stay in host memory between passes (``"model"``,
             ``"static"`` or ``"none"``).
         owner: who holds the namespace and the host memory, as the store reports them.
 
     Raises:
-        ConfigError: as for :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`.
+        ConfigError: as for `SubGroupStager`.
         CapacityError: ``dram_budget`` is below the ring, or does not fit the store's ledger.
         PinnedMemoryError: the ring could not be page-locked.
         NamespaceInUseError: ``namespace`` is already claimed on the store.
@@ -174,8 +170,7 @@ class DeviceStager(SubGroupStager):
     def begin_pass(self, order: Sequence[Hashable], sizes: Mapping[Hashable, int]) -> None:
         """Start a pass over ``order``: choose the sub-groups kept on the device (the first that fit
         ``gpu_budget``, in the order ``sizes`` lists them, which stays the same from pass to pass),
-        and read ahead the others, in ``order``. See
-        :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.begin_pass`."""
+        and read ahead the others, in ``order``. See `begin_pass`."""
         self._device_keep = self._plan_device({**self._sizes, **sizes})
         for name in [name for name in self.on_device if name not in self._device_keep]:
             self._write_out(name)  # sizes changed since it was chosen
@@ -187,14 +182,14 @@ class DeviceStager(SubGroupStager):
             super().begin_pass([name for name in self._order if name not in self.on_device], sizes)
 
     def run_pass(self, update: Callable[[Hashable, torch.Tensor], object]) -> None:
-        """Update every sub-group of the pass begun (:meth:`begin_pass`) on the device, streaming
-        those not kept there (see the module docstring); returns once every copy has ended and
-        every host buffer is back with the stager. The kernels of the last sub-groups may still be
-        running on the caller's stream, ordered before its later work.
+        """Update every sub-group of the pass begun ([`begin_pass`][]) on the device, streaming
+        those not kept there (see the module docstring); returns once every copy has ended and every
+        host buffer is back with the stager. The kernels of the last sub-groups may still be running
+        on the caller's stream, ordered before its later work.
 
         Args:
             update: called as ``update(name, state)`` on the caller's current stream
-                (:meth:`~tierstore.device.DeviceRuntime.launch`), with the sub-group's fp32 state
+                ([`launch`][tierstore.device.DeviceRuntime.launch]), with the sub-group's fp32 state
                 in device memory; it queues the kernels that update it in place and write the new
                 weights into the parameters.
         """
@@ -236,7 +231,7 @@ class DeviceStager(SubGroupStager):
 
     def launch(self, work: Callable[[], object], name: str) -> None:
         """Queue ``work``'s kernels on the calling thread's current stream (see
-        :meth:`~tierstore.device.DeviceRuntime.launch`)."""
+        [`launch`][tierstore.device.DeviceRuntime.launch])."""
         with self.runtime.using(self.device):
             self.runtime.launch(self.runtime.current_stream(self.device), work, name)
 
@@ -248,7 +243,7 @@ class DeviceStager(SubGroupStager):
     # -- outside a pass: the store holds what the device holds -------------------------------------
     def read(self, name: Hashable) -> torch.Tensor:
         """The sub-group's current state in host memory: copied down from the device if kept there,
-        else as :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.read`."""
+        else as `read`."""
         state = self.on_device.get(name)
         if state is None:
             return super().read(name)
@@ -270,21 +265,18 @@ class DeviceStager(SubGroupStager):
         self._forget_device()
 
     def write(self, name: Hashable, elements: int, fill: Callable[[torch.Tensor], object]) -> None:
-        """As :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.write`; a copy kept on the device
-        is stale then and forgotten."""
+        """As `write`; a copy kept on the device is stale then and forgotten."""
         self.on_device.pop(name, None)
         with self.runtime.using(self.device):
             super().write(name, elements, fill)
 
     def grow(self, slot_elements: int, reserved_bytes: int) -> None:
-        """As :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.grow`, the new ring pinned for the
-        device."""
+        """As `grow`, the new ring pinned for the device."""
         with self.runtime.using(self.device):
             super().grow(slot_elements, reserved_bytes)
 
     def abandon(self) -> None:
-        """As :meth:`~tierstore.optimizer.subgroup_stager.SubGroupStager.abandon`, after every copy in flight
-        has ended; the device's copies are let go of."""
+        """As `abandon`, after every copy in flight has ended; the device's copies are let go of."""
         self._forget_device()
         super().abandon()
 
@@ -333,15 +325,15 @@ class DeviceStager(SubGroupStager):
 
 
 class _Pipeline:
-    """One pass's copies (see :class:`DeviceStager`): the device memory it streams through, the
+    """One pass's copies (see [`DeviceStager`][]): the device memory it streams through, the
     sub-groups uploaded and not yet updated, and the copies whose end the host still has to act on,
     oldest first.
 
-    Its device memory is allocated at once, before the pass's first kernel, on the caller's
-    stream, which then records the event every first upload into it waits for (the allocator may
-    have handed out memory that kernels queued before still read): the slots, as many as the
-    streamed sub-groups need up to :data:`DEVICE_SLOTS`, and the memory of each sub-group to keep
-    on the device that is not there yet.
+    Its device memory is allocated at once, before the pass's first kernel, on the caller's stream,
+    which then records the event every first upload into it waits for (the allocator may have handed
+    out memory that kernels queued before still read): the slots, as many as the streamed sub-groups
+    need up to [`DEVICE_SLOTS`][], and the memory of each sub-group to keep on the device that is
+    not there yet.
 
     Args:
         stager: the stager whose pass it is.
@@ -385,7 +377,7 @@ class _Pipeline:
 
     def upload(self, name: Hashable) -> None:
         """Queue ``name``'s upload (if not queued yet): its state from the store into a host buffer,
-        holding at most :data:`DEVICE_SLOTS` of them (waiting for the oldest copies to end first),
+        holding at most [`DEVICE_SLOTS`][] of them (waiting for the oldest copies to end first),
         then to a free slot, or to its own memory for a sub-group to keep on the device."""
         if name in self.uploaded_to:
             return

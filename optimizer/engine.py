@@ -1,8 +1,8 @@
 """The optimizer-agnostic half of an offloaded optimizer: one step's schedule over staged sub-groups.
 
-An optimizer built on :class:`StagedOptimizer` says only what its per-sub-group state is (how many
-fp32 values, laid out how) and how one sub-group is updated. The engine does the rest, the same
-for every optimizer:
+An optimizer built on [`StagedOptimizer`][] says only what its per-sub-group state is (how many fp32
+values, laid out how) and how one sub-group is updated. The engine does the rest, the same for every
+optimizer:
 
 1. measures the global gradient norm from the low-precision gradients (fp32 accumulation over
    cache-sized pieces, no full fp32 copy), detects overflow (a non-finite norm skips the step,
@@ -10,8 +10,7 @@ for every optimizer:
    unscaling and clipping; each parameter counts its own steps, only those on which it has a
    gradient (bias correction, as in torch);
 2. visits the sub-groups forward on odd steps and in reverse on even ones (MLP-Offload's
-   cache-friendly :func:`~tierstore.optimizer.subgroup_stager.pass_order`) through a
-   :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`: read-ahead ring, background write-back,
+   cache-friendly `pass_order`) through a `SubGroupStager`: read-ahead ring, background write-back,
    and the kept set the I/O model chooses;
 3. per sub-group, converts its gradients into one reused fp32 buffer (delayed, in place) and hands
    them to the optimizer's kernel, then copies the new master weights into the model's
@@ -19,16 +18,16 @@ for every optimizer:
    for one that needs them (APOLLO's projections). No fp32 gradient is ever written to storage;
 4. checkpoints the sub-group objects and the step counts into one HDF5 file.
 
-Parameters on a GPU take the device path (:mod:`tierstore.optimizer.device`), chosen at
-construction by where the parameters are: the same schedule, the same layouts and kernels, with the
-state streamed from the store through pinned host memory to the device a sub-group at a time (or
-kept there within ``gpu_budget``), the gradient norm taken on the device (one wait of the host for
-it per step), and each sub-group's gradients converted into a device buffer: no gradient leaves the
-device. The CPU path is the loop above, untouched by it.
+Parameters on a GPU take the device path ([`tierstore.optimizer.device`][]), chosen at construction
+by where the parameters are: the same schedule, the same layouts and kernels, with the state
+streamed from the store through pinned host memory to the device a sub-group at a time (or kept
+there within ``gpu_budget``), the gradient norm taken on the device (one wait of the host for it per
+step), and each sub-group's gradients converted into a device buffer: no gradient leaves the device.
+The CPU path is the loop above, untouched by it.
 
 Master weights, and the checks that keep them consistent with the model, are
-:mod:`tierstore.optimizer.masters`'s; state dicts and snapshots :mod:`tierstore.optimizer.saved_state`'s,
-the base class's.
+`tierstore.optimizer.masters`'s; state dicts and snapshots `tierstore.optimizer.saved_state`'s, the
+base class's.
 """
 
 from __future__ import annotations
@@ -75,40 +74,40 @@ class StagedOptimizer(SavedState):
     move the state while the kernels run.
 
     The state lives in the store under ``namespace``, which the optimizer claims on the store for
-    its lifetime (:class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`): a second optimizer, or any
-    workload, on the same store and namespace is refused with
-    :class:`~tierstore.errors.NamespaceInUseError`. The namespace is the optimizer's own choice,
-    never generated, because persistent state (snapshots, a persistent store) is found again by
-    it. :meth:`close` (or garbage collection) gives the namespace back.
+    its lifetime (`SubGroupStager`): a second optimizer, or any workload, on the same store and
+    namespace is refused with [`NamespaceInUseError`][]. The namespace is the optimizer's own
+    choice, never generated, because persistent state (snapshots, a persistent store) is found again
+    by it. [`close`][] (or garbage collection) gives the namespace back.
 
-    Parameter groups may be added after construction (:meth:`add_param_group`, as in torch). A
-    group's :attr:`LAYOUT_KEYS` fix the layout of its state in the store, so they cannot change
-    once the group is added.
+    Parameter groups may be added after construction ([`add_param_group`][], as in torch). A group's
+    [`LAYOUT_KEYS`][] fix the layout of its state in the store, so they cannot change once the group
+    is added.
 
-    The parameters are all in host memory (the CPU path) or all on one GPU (the device path, see
-    the module docstring and :mod:`tierstore.optimizer.device`); whichever the first parameter's
-    place is, every later one (added groups included) must share it.
+    The parameters are all in host memory (the CPU path) or all on one GPU (the device path, see the
+    module docstring and [`tierstore.optimizer.device`][]); whichever the first parameter's place
+    is, every later one (added groups included) must share it.
 
     Args:
         params: the parameters (contiguous tensors, each listed once, all on the CPU or all on one
             GPU) or parameter groups (dicts with ``params`` and hyper-parameter keys), as for
             ``torch.optim.Optimizer``.
         store: the store holding the fp32 state; its device runtime
-            (:attr:`~tierstore.TierStore.device_runtime`) makes the device path's copies.
+            ([`device_runtime`][tierstore.store.TierStore.device_runtime]) makes the device path's
+            copies.
         defaults: the hyper-parameters a group takes for the keys it leaves out.
         namespace: the prefix of the state's store keys, claimed on the store.
         whole_params: keep every parameter whole in one sub-group (for kernels that need whole
             parameters) instead of cutting parameters at sub-group boundaries.
-        **staging: the staging options (:class:`~tierstore.optimizer.options.StagingKeywords`),
-            each defined, with its default and meaning, by a field of
-            :class:`~tierstore.optimizer.options.OptimizerOptions` (on the device path, the memory
-            of ``dram_budget`` is pinned and holds no gradient buffer).
+        **staging: the staging options ([`StagingKeywords`][]), each defined, with its default and
+            meaning, by a field of
+            [`OptimizerOptions`][tierstore.optimizer.options.OptimizerOptions] (on the device path,
+            the memory of ``dram_budget`` is pinned and holds no gradient buffer).
 
     Raises:
-        ConfigError: an argument or hyper-parameter of the wrong type or out of range, a
-            parameter listed twice, a ``DTensor`` parameter where :attr:`SHARDED_PARAMETERS`
-            refuses them, a namespace that is not a valid key, or a ``gpu_budget`` for parameters
-            in host memory; the message names it.
+        ConfigError: an argument or hyper-parameter of the wrong type or out of range, a parameter
+            listed twice, a ``DTensor`` parameter where [`SHARDED_PARAMETERS`][] refuses them, a
+            namespace that is not a valid key, or a ``gpu_budget`` for parameters in host memory;
+            the message names it.
         BufferMismatchError: a parameter that is not a contiguous tensor in host memory or on a
             GPU, or one on another device than the first parameter (the message names it).
         CapacityError: ``dram_budget`` is below the working set (the ring and the gradient
@@ -124,7 +123,7 @@ class StagedOptimizer(SavedState):
         "its state is laid out over whole parameters; for FSDP2's fully_shard use "
         "tierstore.integrations.fsdp.FSDPOffloadedAdamW, which stages each rank's local shards"
     )
-    """Why ``DTensor`` parameters (FSDP2's shards) are refused (a :class:`ConfigError` saying so), or
+    """Why ``DTensor`` parameters (FSDP2's shards) are refused (a [`ConfigError`][] saying so), or
     None for an optimizer that steps them."""
 
     def __init__(
@@ -141,16 +140,16 @@ class StagedOptimizer(SavedState):
         self.options = options
         """The staging options, as given or by default."""
         self._layouts: list[dict[str, Any]] = []
-        """Per group, its :attr:`LAYOUT_KEYS` as they were when it was added."""
+        """Per group, its [`LAYOUT_KEYS`][] as they were when it was added."""
         self._own_masters: list[bool] = []
-        """Per parameter (in :attr:`params` order), whether it is fp32 and so its own master
-        weights (none in the state), as it was when its group was added."""
+        """Per parameter (in `params` order), whether it is fp32 and so its own master weights (none
+        in the state), as it was when its group was added."""
         self.store = store
         self.device: torch.device | None = None
         """The GPU the parameters are on (the device path), or None for parameters in host memory;
         set by the first parameter."""
         self._placed = False
-        """Whether the first parameter has set :attr:`device`."""
+        """Whether the first parameter has set [`device`][]."""
         super().__init__(params, defaults)  # add_param_group per group
         self.compute_threads = options.compute_threads
         self.max_grad_norm = options.max_grad_norm
@@ -202,15 +201,15 @@ class StagedOptimizer(SavedState):
         self.compute_seconds = 0.0
         """Wall seconds the last step spent in its own work (norm, conversion, kernels, copies into
         the model) rather than waiting on the store: the compute term of the I/O model's
-        :func:`~tierstore.pass_plan.plan_pass`. On the device path, the host's part of that work (the
-        norm and launching the kernels, which run on the device meanwhile)."""
+        `plan_pass`. On the device path, the host's part of that work (the norm and launching the
+        kernels, which run on the device meanwhile)."""
         self._grad = (
             aligned_tensor(self._gradient_numel(self.subgroups)) if self.device is None else NO_GRADIENTS
         )
         """The fp32 gradient buffer: a whole sub-group's for ``whole_params`` optimizers (their
-        kernels need whole parameters), else :data:`GRADIENT_CHUNK` elements. On the device path,
-        device memory (of :data:`DEVICE_GRADIENT_CHUNK` elements there) made for each step and bound
-        to it while its kernels run (:meth:`_update_on_device`)."""
+        kernels need whole parameters), else `GRADIENT_CHUNK` elements. On the device path, device
+        memory (of `DEVICE_GRADIENT_CHUNK` elements there) made for each step and bound to it while
+        its kernels run (`_update_on_device`)."""
         self._step_tensor: Callable[[int], torch.Tensor] = host_step_tensor
         """A parameter's step count as the fused kernels take it (a 0-d fp32 tensor where they run);
         bound to a step's device scalars on the device path."""
@@ -223,13 +222,12 @@ class StagedOptimizer(SavedState):
     # -- what an optimizer supplies ---------------------------------------------------------------
     @abstractmethod
     def _check_group(self, group: dict[str, Any], where: str) -> None:
-        """A :class:`ConfigError` naming the field for a bad hyper-parameter of a group."""
+        """A [`ConfigError`][] naming the field for a bad hyper-parameter of a group."""
 
     @abstractmethod
     def _update(self, sg: SubGroup, state: torch.Tensor, coefficient: float) -> None:
         """Update the sub-group's state in place from its gradients times ``coefficient`` (from
-        :meth:`_gradients` or :meth:`_gradient_chunks`) and copy the new master weights into the
-        model."""
+        `_gradients` or `_gradient_chunks`) and copy the new master weights into the model."""
 
     # -- public -----------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -294,8 +292,7 @@ class StagedOptimizer(SavedState):
         """Write the sub-groups kept in DRAM back (the store then holds the whole state) and give
         back the namespace and the DRAM budget.
 
-        The optimizer is unusable afterwards: its methods raise :class:`StoreClosedError`.
-        Idempotent.
+        The optimizer is unusable afterwards: its methods raise [`StoreClosedError`][]. Idempotent.
         """
         self.stager.close()
 
@@ -315,9 +312,9 @@ class StagedOptimizer(SavedState):
             The closure's loss, or None without a closure.
 
         Raises:
-            ConfigError: ``grad_scale`` is not positive, a group's hyper-parameter is invalid
-                (the message names it), a group's :attr:`LAYOUT_KEYS` changed since it was added,
-                or a parameter became fp32 or stopped being fp32 since then.
+            ConfigError: ``grad_scale`` is not positive, a group's hyper-parameter is invalid (the
+                message names it), a group's [`LAYOUT_KEYS`][] changed since it was added, or a
+                parameter became fp32 or stopped being fp32 since then.
             BufferMismatchError: a sparse gradient (``nn.Embedding(sparse=True)``); the message
                 names the parameter.
             StoreClosedError: the optimizer is closed.
@@ -377,7 +374,7 @@ class StagedOptimizer(SavedState):
     def _step_on_device(self, stager: DeviceStager, grad_scale: float) -> None:
         """The update of a step on the device path (its pass begun): the gradient norm on the
         device, read once by the host (overflow and clipping), then every sub-group through
-        :meth:`DeviceStager.run_pass`, its kernels queued on the caller's current stream."""
+        [`DeviceStager.run_pass`][], its kernels queued on the caller's current stream."""
         started = time.perf_counter()
         coefficient = self._device_coefficient(stager, grad_scale)
         compute = time.perf_counter() - started
@@ -393,9 +390,9 @@ class StagedOptimizer(SavedState):
     def _update_on_device(
         self, buffers: DeviceBuffers, coefficient: float, index: Hashable, state: torch.Tensor
     ) -> None:
-        """:meth:`_update` of sub-group ``index`` on the device, with the step's device buffers
-        (bound while it runs: the runtime may run it after the pass has moved on, a simulated
-        device when the test runs the stream)."""
+        """`_update` of sub-group ``index`` on the device, with the step's device buffers (bound
+        while it runs: the runtime may run it after the pass has moved on, a simulated device when
+        the test runs the stream)."""
         assert isinstance(index, int)
         started = time.perf_counter()
         self._grad, self._step_tensor = buffers.grad, buffers.step_tensor
@@ -406,9 +403,8 @@ class StagedOptimizer(SavedState):
         buffers.seconds += time.perf_counter() - started
 
     def _device_coefficient(self, stager: DeviceStager, grad_scale: float) -> float | None:
-        """:meth:`_gradient_coefficient` from the gradients' sum of squares taken on the device
-        (:meth:`_device_squares`, queued on the caller's stream); the host waits for that one
-        value."""
+        """`_gradient_coefficient` from the gradients' sum of squares taken on the device
+        (`_device_squares`, queued on the caller's stream); the host waits for that one value."""
         total: list[torch.Tensor] = []
         stager.launch(lambda: total.append(self._device_squares()), "gradient norm")
         stager.synchronize()
@@ -437,8 +433,8 @@ class StagedOptimizer(SavedState):
     # -- for the optimizers -------------------------------------------------------------------------
     def _check_place(self, param: torch.Tensor, where: str) -> None:
         """Refuse a parameter that is not a contiguous tensor in host memory or on a GPU, or one on
-        another device than the first parameter (which sets :attr:`device`), with a
-        :class:`BufferMismatchError` naming it (``where``)."""
+        another device than the first parameter (which sets [`device`][]), with a
+        [`BufferMismatchError`][] naming it (``where``)."""
         local = self._local(param)
         device = self.store.device_runtime.device_of(local)
         if not param.is_contiguous() or (device is None and local.device.type != "cpu"):
@@ -461,11 +457,11 @@ class StagedOptimizer(SavedState):
         return self._local(param).dtype == torch.float32
 
     def _param_groups_of(self) -> list[int]:
-        """Per parameter (in :attr:`params` order), the number of its group."""
+        """Per parameter (in `params` order), the number of its group."""
         return [number for number, group in enumerate(self.param_groups) for _ in group["params"]]
 
     def _group_params(self, group: int) -> range:
-        """The numbers (in :attr:`params`) of the parameters of group ``group``."""
+        """The numbers (in `params`) of the parameters of group ``group``."""
         start = sum(len(g["params"]) for g in self.param_groups[:group])
         return range(start, start + len(self.param_groups[group]["params"]))
 
@@ -514,19 +510,17 @@ class StagedOptimizer(SavedState):
         self._params_added(len(self.params) - first)
 
     def _params_added(self, count: int) -> None:
-        """``count`` parameters were appended to :attr:`params` (a group added after construction)."""
+        """``count`` parameters were appended to `params` (a group added after construction)."""
 
     def _gradients(self, sg: SubGroup, coefficient: float) -> list[tuple[Piece, torch.Tensor]]:
         """The sub-group's gradients converted into the fp32 buffer at the pieces' offsets
-        (``whole_params`` optimizers only), times the coefficient
-        (:func:`~.gradients.convert_gradients`)."""
+        (``whole_params`` optimizers only), times the coefficient (`convert_gradients`)."""
         return convert_gradients(self._grad, self._pieces_with_gradients(sg), sg.numel, coefficient)
 
     def _gradient_chunks(
         self, sg: SubGroup, coefficient: float
     ) -> Iterator[list[tuple[Piece, torch.Tensor]]]:
-        """The same as :meth:`_gradients`, a buffer's worth at a time
-        (:func:`~.gradients.gradient_chunks`)."""
+        """The same as `_gradients`, a buffer's worth at a time (`gradient_chunks`)."""
         return gradient_chunks(self._grad, self._pieces_with_gradients(sg), coefficient)
 
     def _pieces_with_gradients(self, sg: SubGroup) -> Iterator[tuple[Piece, torch.Tensor]]:
@@ -542,7 +536,7 @@ class StagedOptimizer(SavedState):
         return clip_coefficient(math.sqrt(total) / grad_scale, grad_scale, self.max_grad_norm)
 
     def _squares(self, grad: torch.Tensor) -> float:
-        """A gradient's sum of squares (:func:`~.gradients.squares`, through the fp32 buffer)."""
+        """A gradient's sum of squares (`squares`, through the fp32 buffer)."""
         return squares(grad, self._grad)
 
 

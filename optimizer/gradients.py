@@ -1,12 +1,11 @@
 """The gradients of an offloaded optimizer's step: their global norm, the coefficient that unscales
 and clips them, and their delayed conversion into a reused fp32 buffer.
 
-:class:`~tierstore.optimizer.engine.StagedOptimizer` measures the norm from the low-precision
-gradients (fp32 accumulation over cache-sized pieces, no full fp32 copy), derives one coefficient
-from it (None for an overflow, which skips the step), and per sub-group converts the gradients into
-the buffer, multiplied by the coefficient, just before its kernel reads them. On the device path the
-norm is taken on the device (:func:`device_squares`) and the buffer and step counts are device
-memory (:class:`DeviceBuffers`).
+[`StagedOptimizer`][] measures the norm from the low-precision gradients (fp32 accumulation over
+cache-sized pieces, no full fp32 copy), derives one coefficient from it (None for an overflow, which
+skips the step), and per sub-group converts the gradients into the buffer, multiplied by the
+coefficient, just before its kernel reads them. On the device path the norm is taken on the device
+(`device_squares`) and the buffer and step counts are device memory (`DeviceBuffers`).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ def gradient_numel(subgroups: list[SubGroup], *, whole_params: bool, on_device: 
     Args:
         subgroups: the sub-groups whose gradients the buffer takes.
         whole_params: the kernel needs whole parameters, so the buffer holds a whole sub-group's.
-        on_device: the buffer is device memory (:data:`DEVICE_GRADIENT_CHUNK`, else
-            :data:`GRADIENT_CHUNK`, elements at most for an element-wise kernel).
+        on_device: the buffer is device memory (`DEVICE_GRADIENT_CHUNK`, else `GRADIENT_CHUNK`,
+            elements at most for an element-wise kernel).
     """
     largest = max((sg.numel for sg in subgroups), default=1)
     chunk = DEVICE_GRADIENT_CHUNK if on_device else GRADIENT_CHUNK
@@ -76,11 +75,11 @@ def convert_gradients(
 def gradient_chunks(
     buffer: torch.Tensor, pieces: PiecesWithGradients, coefficient: float
 ) -> Iterator[list[tuple[Piece, torch.Tensor]]]:
-    """The same as :func:`convert_gradients`, a buffer's worth at a time: each chunk lists pieces
-    (parts of the sub-group's, cut near the buffer's end where :func:`~.partition.cut_length`
-    allows) with their fp32 gradients. An element-wise kernel run on each chunk reads the converted
-    gradient while it is still in cache: a whole sub-group's worth would go out to memory and come
-    back, traffic that competes with the state I/O for the memory bus.
+    """The same as `convert_gradients`, a buffer's worth at a time: each chunk lists pieces (parts
+    of the sub-group's, cut near the buffer's end where `cut_length` allows) with their fp32
+    gradients. An element-wise kernel run on each chunk reads the converted gradient while it is
+    still in cache: a whole sub-group's worth would go out to memory and come back, traffic that
+    competes with the state I/O for the memory bus.
 
     Args:
         buffer: the fp32 gradient buffer (its size is the chunk's).

@@ -6,8 +6,8 @@ the model receives them rounded after each update. An fp32 parameter is its own 
 updates the parameter in place and the state holds no copy of it, so weights the model is given
 outside the optimizer (``model.load_state_dict``) are the ones the next step updates, as with
 torch's optimizers. Whether a parameter is fp32 is read when its group is added and lays out its
-state, so it cannot change afterwards (:func:`check_dtypes`), and a state dict's or checkpoint's
-master weights are taken only if their parameter rounds from them (:func:`stale_entries`).
+state, so it cannot change afterwards (`check_dtypes`), and a state dict's or checkpoint's master
+weights are taken only if their parameter rounds from them (`stale_entries`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class StaleMasterWeightsError(BufferMismatchError):
 def stale_masters_error(
     source: str, params: list[int], shapes: list[tuple[int, ...]]
 ) -> StaleMasterWeightsError:
-    """The :class:`StaleMasterWeightsError` for ``params`` (their numbers and shapes), whose
-    master weights in ``source`` their parameters do not round from."""
+    """The `StaleMasterWeightsError` for ``params`` (their numbers and shapes), whose master weights
+    in ``source`` their parameters do not round from."""
     named = ", ".join(
         f"{number} (shape {shape})" for number, shape in zip(params[:5], shapes[:5], strict=True)
     )
@@ -83,7 +83,7 @@ def stale_entries(
 
 
 def check_dtypes(params: Sequence[torch.Tensor], own_masters: Sequence[bool]) -> None:
-    """A :class:`ConfigError` for a parameter (the part the optimizer steps) that became fp32, or
+    """A [`ConfigError`][] for a parameter (the part the optimizer steps) that became fp32, or
     stopped being fp32, since its group was added (``own_masters``): whether it is its own master
     lays out its state."""
     for number, (param, own) in enumerate(zip(params, own_masters, strict=True)):
@@ -99,7 +99,7 @@ def check_dtypes(params: Sequence[torch.Tensor], own_masters: Sequence[bool]) ->
 def check_own_masters(
     saved: Sequence[bool], own_masters: Sequence[bool], source: str | os.PathLike[str]
 ) -> None:
-    """A :class:`BufferMismatchError` if a snapshot's parameters were their own masters (fp32,
+    """A [`BufferMismatchError`][] if a snapshot's parameters were their own masters (fp32,
     ``saved``) where this optimizer's are not (``own_masters``), or the reverse: their states are
     laid out differently."""
     differ = [n for n, (was, now) in enumerate(zip(saved, own_masters, strict=False)) if was != now]

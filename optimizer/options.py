@@ -1,17 +1,15 @@
 """The staging options of the offloaded optimizers, each defined once.
 
-Every option is a field of :class:`OptimizerOptions` (its type, default, range and meaning, the
-docstring under it). :class:`~tierstore.optimizer.OffloadedAdamW`,
-:class:`~tierstore.optimizer.OffloadedAPOLLO` and
-:class:`~tierstore.integrations.fsdp.FSDPOffloadedAdamW` take them as keyword arguments,
-``**staging``, typed for their callers by :class:`StagingKeywords` (a test holds its keys equal to
-the fields), and check them through the fields (:func:`optimizer_options`). The three that
-:class:`~tierstore.optimizer.subgroup_stager.SubGroupStager` takes are :class:`StagingOptions`,
-which the DeepSpeed config's ``tierstore`` section takes through the same fields
-(:mod:`tierstore.integrations.deepspeed.config`).
+Every option is a field of [`OptimizerOptions`][] (its type, default, range and meaning, the
+docstring under it). [`OffloadedAdamW`][], [`OffloadedAPOLLO`][] and
+[`FSDPOffloadedAdamW`][tierstore.integrations.fsdp.FSDPOffloadedAdamW] take them as keyword
+arguments, ``**staging``, typed for their callers by [`StagingKeywords`][] (a test holds its keys
+equal to the fields), and check them through the fields (`optimizer_options`). The three that
+`SubGroupStager` takes are [`StagingOptions`][], which the DeepSpeed config's ``tierstore`` section
+takes through the same fields (`tierstore.integrations.deepspeed.config`).
 
-An option is added as a field of :class:`OptimizerOptions` (or of :class:`StagingOptions`, where the
-DeepSpeed section takes it too) and its key in :class:`StagingKeywords`; the optimizers read it from
+An option is added as a field of [`OptimizerOptions`][] (or of [`StagingOptions`][], where the
+DeepSpeed section takes it too) and its key in [`StagingKeywords`][]; the optimizers read it from
 the checked options.
 """
 
@@ -56,13 +54,13 @@ class OptimizerOptions(StagingOptions):
     """Threads torch's CPU kernels use during a step; None for one fewer than torch's setting (at
     least one), leaving a core to the store's I/O."""
     gpu_budget: ByteSize | None = None
-    """Parameters on a GPU only: GPU memory for sub-groups that stay there between steps, which
-    then never cross the bus; None or 0 for none (see :mod:`tierstore.optimizer.device`)."""
+    """Parameters on a GPU only: GPU memory for sub-groups that stay there between steps, which then
+    never cross the bus; None or 0 for none (see [`tierstore.optimizer.device`][])."""
     state_precision: StatePrecision = PRESETS["fp32"]
     """How the state is stored and moved: a preset's name (``"fp32"``, exact; ``"bf16"`` moments;
     ``"int8"`` blockwise-quantised moments; ``"int8-compensated"``, with a bf16-compensated master
-    for low-precision parameters) or a :class:`~tierstore.optimizer.state_precision.StatePrecision`
-    (see :mod:`tierstore.optimizer.state_precision`)."""
+    for low-precision parameters) or a [`StatePrecision`][] (see
+    [`tierstore.optimizer.state_precision`][])."""
 
     @field_validator("state_precision", mode="before")
     @classmethod
@@ -83,9 +81,9 @@ class OptimizerOptions(StagingOptions):
 
 
 class StagingKeywords(TypedDict, total=False):
-    """:class:`OptimizerOptions` as an optimizer's keyword arguments (``**staging:
-    Unpack[StagingKeywords]``), typed for its callers; the fields define their defaults, ranges
-    and meanings. A size in bytes is an integer or text such as ``"64MiB"``."""
+    """[`OptimizerOptions`][] as an optimizer's keyword arguments
+    (``**staging: Unpack[StagingKeywords]``), typed for its callers; the fields define their
+    defaults, ranges and meanings. A size in bytes is an integer or text such as ``"64MiB"``."""
 
     dram_budget: int | str | None
     prefetch_depth: int
@@ -98,7 +96,7 @@ class StagingKeywords(TypedDict, total=False):
 
 
 def optimizer_options(owner: str, staging: Mapping[str, Any]) -> OptimizerOptions:
-    """An optimizer's staging keyword arguments checked through :class:`OptimizerOptions`.
+    """An optimizer's staging keyword arguments checked through [`OptimizerOptions`][].
 
     Args:
         owner: the optimizer's class name, for the message refusing a keyword that is no option.

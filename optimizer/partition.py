@@ -5,8 +5,8 @@ sub-groups of at most ``sub_group_size`` elements; a parameter may straddle two 
 sub-group is the unit of offloading: its fp32 master weights and Adam moments are one object in
 the store, read, updated and written back together.
 
-A parameter is cut only :data:`KERNEL_ALIGNMENT` elements from its start or a multiple of that
-(:func:`cut_length`), so a sub-group may hold slightly fewer than ``sub_group_size`` elements.
+A parameter is cut only `KERNEL_ALIGNMENT` elements from its start or a multiple of that
+(`cut_length`), so a sub-group may hold slightly fewer than ``sub_group_size`` elements.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def partition(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) 
 
 
 def partition_whole(groups: Sequence[Sequence[tuple[int, int]]], sub_group_size: int) -> list[SubGroup]:
-    """As :func:`partition`, but a parameter is never cut: it joins the current sub-group while that
+    """As [`partition`][], but a parameter is never cut: it joins the current sub-group while that
     stays within ``sub_group_size``, else starts the next one (alone, if it is larger). For
     optimizers that need whole matrices (APOLLO projects each one)."""
     cut = _Cutter(sub_group_size)

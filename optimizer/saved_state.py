@@ -1,12 +1,10 @@
 """The state of a staged optimizer as torch's optimizers hand it over: state dicts, snapshots and
 master weights.
 
-:class:`SavedState` is the base of :class:`~tierstore.optimizer.engine.StagedOptimizer`: it reads
-and writes the sub-groups' state objects in the store for :meth:`~SavedState.state_dict`,
-:meth:`~SavedState.load_state_dict`, :meth:`~SavedState.master_params` and the HDF5 snapshots, in
-the layout the optimizer supplies (:meth:`~SavedState.state_numel`, :meth:`~SavedState._fill`,
-:meth:`~SavedState._master_views`, :meth:`~SavedState._state_entries`), with the master-weight and
-layout checks of :mod:`tierstore.optimizer.masters`.
+`SavedState` is the base of [`StagedOptimizer`][]: it reads and writes the sub-groups' state objects
+in the store for `state_dict`, `load_state_dict`, `master_params` and the HDF5 snapshots, in the
+layout the optimizer supplies (`state_numel`, `_fill`, `_master_views`, `_state_entries`), with the
+master-weight and layout checks of `tierstore.optimizer.masters`.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ from .subgroup_stager import SubGroupStager
 
 class SavedState(torch.optim.Optimizer):
     """The state dicts, snapshots and master weights of an optimizer whose state is staged through a
-    store, sub-group by sub-group: what :class:`~tierstore.optimizer.engine.StagedOptimizer` sets
-    up, and what the optimizer built on it lays out."""
+    store, sub-group by sub-group: what [`StagedOptimizer`][] sets up, and what the optimizer built
+    on it lays out."""
 
     store: TierStore
     """The store holding the state."""
@@ -56,14 +54,14 @@ class SavedState(torch.optim.Optimizer):
     device: torch.device | None
     """The GPU the parameters are on (the device path), or None for parameters in host memory."""
     precision: StatePrecision = FP32_STATE
-    """The format the state is stored in (:mod:`tierstore.optimizer.state_precision`)."""
+    """The format the state is stored in ([`tierstore.optimizer.state_precision`][])."""
     _scratch: torch.Tensor = torch.empty(0)
     """Host memory a compressed sub-group is unpacked into for its update (the largest's fp32
     state), counted as the stager's reserved bytes."""
 
     COMPRESSED_STATE: ClassVar[str | None] = "its state is not rows of parameter elements"
     """Why this optimizer stores its state in fp32 only (``state_precision`` other than ``"fp32"``
-    is refused, saying so), or None where :meth:`_row_parts` lays it out for compression."""
+    is refused, saying so), or None where `_row_parts` lays it out for compression."""
 
     IMPLEMENTATION_KEYS: ClassVar[tuple[str, ...]] = ()
     """Group keys that name the kernel rather than the training (torch's ``foreach``, ``fused``...):
@@ -82,7 +80,7 @@ class SavedState(torch.optim.Optimizer):
     @abstractmethod
     def _master_views(self, sg: SubGroup, state: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
         """The master weights of each piece: views into ``state``, or into the parameter itself
-        (:meth:`_window`) for a parameter that is its own master."""
+        (`_window`) for a parameter that is its own master."""
 
     @abstractmethod
     def _state_entries(self) -> list[dict[str, Any]]:
@@ -92,7 +90,7 @@ class SavedState(torch.optim.Optimizer):
     @abstractmethod
     def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
         """Refuse a state dict's per-parameter entries (None: the parameter has none) that do not
-        fit this optimizer's parameters (their shapes), with a :class:`BufferMismatchError`, before
+        fit this optimizer's parameters (their shapes), with a [`BufferMismatchError`][], before
         anything is restored."""
 
     def _restore_entries(self, entries: list[dict[str, Any] | None]) -> None:
@@ -100,7 +98,7 @@ class SavedState(torch.optim.Optimizer):
 
     def _row_parts(self, sg: SubGroup) -> tuple[tuple[str, RowKind], ...]:
         """The rows of the sub-group's fp32 state, each ``sg.numel`` values, in order: their names
-        in a state dict and what they hold (for optimizers whose :attr:`COMPRESSED_STATE` is None)."""
+        in a state dict and what they hold (for optimizers whose `COMPRESSED_STATE` is None)."""
         raise NotImplementedError(f"{type(self).__name__} stores its state in fp32 only")
 
     # -- public -----------------------------------------------------------------------------------
@@ -112,12 +110,12 @@ class SavedState(torch.optim.Optimizer):
         as the dict.
 
         Returns:
-            ``state``: per parameter index its ``step`` (its own count) and its state as whole
-            fp32 tensors of its shape (``master_param`` only for a low-precision parameter: an fp32
-            one is its own master); ``param_groups``: the groups' hyper-parameters with their
+            ``state``: per parameter index its ``step`` (its own count) and its state as whole fp32
+            tensors of its shape (``master_param`` only for a low-precision parameter: an fp32 one
+            is its own master); ``param_groups``: the groups' hyper-parameters with their
             parameters' indices; ``step_count`` and ``skipped_steps``: the optimizer's counts. In a
-            compressed :attr:`precision`, ``state`` holds the steps only and ``packed_state`` the
-            stored bytes (:func:`~tierstore.optimizer.state_precision.fp32_state_dict` makes
+            compressed `precision`, ``state`` holds the steps only and ``packed_state`` the stored
+            bytes ([`fp32_state_dict`][tierstore.optimizer.state_precision.fp32_state_dict] makes
             torch's format of it).
 
         Raises:
@@ -147,29 +145,29 @@ class SavedState(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the state in the store is rewritten.
+        """Restore a `state_dict`; the state in the store is rewritten.
 
         Each parameter's ``step`` is its own count (a parameter without an entry has taken none, as
-        in torch); dicts saved before per-parameter counts hold the global count in every entry.
-        The model's weights are the parameters' weights: an fp32 parameter is its own master (a
+        in torch); dicts saved before per-parameter counts hold the global count in every entry. The
+        model's weights are the parameters' weights: an fp32 parameter is its own master (a
         ``master_param`` in its entry is not used), and a low-precision one takes its entry's
-        ``master_param`` only if the parameter rounds from it (else a
-        :class:`StaleMasterWeightsError`), or, without one, its own weights as master weights. So
-        load the model's weights first, as for torch's optimizers. The groups take the dict's
-        hyper-parameters, except the :attr:`IMPLEMENTATION_KEYS`.
+        ``master_param`` only if the parameter rounds from it (else a `StaleMasterWeightsError`),
+        or, without one, its own weights as master weights. So load the model's weights first, as
+        for torch's optimizers. The groups take the dict's hyper-parameters, except the
+        `IMPLEMENTATION_KEYS`.
 
         Args:
             state_dict: a state dict of an optimizer with the same parameters and state layout
                 (this optimizer's, or torch's AdamW's).
 
         A compressed state dict (``packed_state``) is loaded as saved, byte for byte, into an
-        optimizer of its :attr:`precision` and sub-groups; an fp32 one (torch's format) into a
-        compressed optimizer is compressed as it is written.
+        optimizer of its `precision` and sub-groups; an fp32 one (torch's format) into a compressed
+        optimizer is compressed as it is written.
 
         Raises:
             BufferMismatchError: the dict's groups, parameters or state shapes do not match this
-                optimizer's, a group's :attr:`LAYOUT_KEYS` differ, or its ``packed_state`` is of
-                another precision or sub-groups; nothing is restored.
+                optimizer's, a group's `LAYOUT_KEYS` differ, or its ``packed_state`` is of another
+                precision or sub-groups; nothing is restored.
             StaleMasterWeightsError: a low-precision parameter does not round from its entry's
                 ``master_param``; nothing is restored.
             StoreClosedError: the optimizer is closed.
@@ -218,7 +216,7 @@ class SavedState(torch.optim.Optimizer):
 
     def save_snapshot(self, path: str | os.PathLike[str]) -> None:
         """Checkpoint the fp32 state (sub-groups kept in DRAM included) and step counts into one
-        portable HDF5 file (:func:`tierstore.export_hdf5`), without gathering it in memory.
+        portable HDF5 file ([`tierstore.export_hdf5`][]), without gathering it in memory.
 
         Args:
             path: the HDF5 file to write.
@@ -241,15 +239,15 @@ class SavedState(torch.optim.Optimizer):
         export_hdf5(self.store, path, [self.stager.key(sg.index) for sg in self.subgroups], metadata)
 
     def load_snapshot(self, path: str | os.PathLike[str]) -> None:
-        """Restore a :meth:`save_snapshot`, and copy the restored master weights of low-precision
+        """Restore a `save_snapshot`, and copy the restored master weights of low-precision
         parameters into the model. An fp32 parameter is its own master: the snapshot holds none of
         its weights, which are the model's to restore (``model.load_state_dict``).
 
         A snapshot from before per-parameter step counts gives every parameter the global count.
 
         Args:
-            path: an HDF5 file written by :meth:`save_snapshot` of an optimizer with the same
-                parameters (of the same dtypes), ``sub_group_size`` and namespace.
+            path: an HDF5 file written by `save_snapshot` of an optimizer with the same parameters
+                (of the same dtypes), ``sub_group_size`` and namespace.
 
         Raises:
             BufferMismatchError: the snapshot's sub-groups, layout (fp32 master weights held for
@@ -322,7 +320,7 @@ class SavedState(torch.optim.Optimizer):
 
     def _write_all(self, saved: dict[Any, Any] | None, subgroups: list[SubGroup] | None = None) -> None:
         """Write the state of ``subgroups`` (default: every sub-group), from ``saved`` or fresh, to
-        the store, in :attr:`precision`."""
+        the store, in `precision`."""
         for sg in self.subgroups if subgroups is None else subgroups:
             fill = functools.partial(self._fill, saved=saved)
             packed = functools.partial(self._in_precision, sg, work=fill, unpack=False)
@@ -332,7 +330,7 @@ class SavedState(torch.optim.Optimizer):
     # -- the stored format --------------------------------------------------------------------------
 
     def _set_precision(self, value: object) -> None:
-        """Take ``value`` (``state_precision``) as :attr:`precision`, before anything is staged.
+        """Take ``value`` (``state_precision``) as `precision`, before anything is staged.
 
         Raises:
             ConfigError: not a format, or a compressed one for an optimizer that stores fp32 only.
@@ -345,11 +343,11 @@ class SavedState(torch.optim.Optimizer):
             )
 
     def _packed_layout(self, sg: SubGroup) -> PackedLayout:
-        """The sub-group's packed layout in :attr:`precision`."""
+        """The sub-group's packed layout in `precision`."""
         return PackedLayout(tuple(kind for _, kind in self._row_parts(sg)), sg.numel, self.precision)
 
     def _stored_numel(self, sg: SubGroup) -> int:
-        """fp32 words of the sub-group's stored object: its state in :attr:`precision`."""
+        """fp32 words of the sub-group's stored object: its state in `precision`."""
         return self._packed_layout(sg).words if self.precision.compressed else self.state_numel(sg)
 
     def _scratch_numel(self, subgroups: list[SubGroup]) -> int:
@@ -395,8 +393,8 @@ class SavedState(torch.optim.Optimizer):
         ]
 
     def _read_rows(self, sg: SubGroup) -> torch.Tensor:
-        """The sub-group's fp32 state (read from DRAM or the store; unpacked into new host memory
-        in a compressed :attr:`precision`)."""
+        """The sub-group's fp32 state (read from DRAM or the store; unpacked into new host memory in
+        a compressed `precision`)."""
         stored = self.stager.read(sg.index)
         if not self.precision.compressed:
             return stored
@@ -406,7 +404,8 @@ class SavedState(torch.optim.Optimizer):
         return rows
 
     def _packed_state(self) -> dict[str, Any]:
-        """The stored bytes of every sub-group and what :func:`fp32_state_dict` needs to unpack
+        """The stored bytes of every sub-group and what
+        [`fp32_state_dict`][tierstore.optimizer.state_precision.fp32_state_dict] needs to unpack
         them: the precision and each sub-group's rows and pieces."""
         subgroups = []
         for sg in self.subgroups:
@@ -422,8 +421,8 @@ class SavedState(torch.optim.Optimizer):
         return {"precision": dataclasses.asdict(self.precision), "subgroups": subgroups}
 
     def _check_precision_of(self, saved: dict[str, Any], source: str) -> None:
-        """A :class:`BufferMismatchError` if ``saved`` (a precision as a dict; empty for fp32) is
-        not :attr:`precision`."""
+        """A [`BufferMismatchError`][] if ``saved`` (a precision as a dict; empty for fp32) is not
+        `precision`."""
         theirs = StatePrecision(**saved)
         if theirs != self.precision:
             raise BufferMismatchError(
@@ -451,7 +450,7 @@ class SavedState(torch.optim.Optimizer):
         return {}
 
     def _restore_snapshot_metadata(self, path: str | os.PathLike[str], metadata: dict[str, Any]) -> None:
-        """Take back what :meth:`_snapshot_metadata` saved."""
+        """Take back what `_snapshot_metadata` saved."""
 
     def _saved_groups(self) -> list[dict[str, Any]]:
         """The groups' hyper-parameters (no parameters), as checkpoints carry them."""
@@ -459,7 +458,7 @@ class SavedState(torch.optim.Optimizer):
 
     def _check_groups(self, groups: list[dict[str, Any]]) -> None:
         """Refuse a state dict's groups that do not match this optimizer's (their number, their
-        parameters' counts, their :attr:`LAYOUT_KEYS`) with a :class:`BufferMismatchError`."""
+        parameters' counts, their `LAYOUT_KEYS`) with a [`BufferMismatchError`][]."""
         if len(groups) != len(self.param_groups) or any(
             len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups, strict=True)
         ):
@@ -473,7 +472,7 @@ class SavedState(torch.optim.Optimizer):
 
     def _take_groups(self, groups: list[dict[str, Any]]) -> None:
         """The groups' hyper-parameters from saved ones (a state dict's or a snapshot's), except
-        their ``params`` and :attr:`IMPLEMENTATION_KEYS`."""
+        their ``params`` and `IMPLEMENTATION_KEYS`."""
         for group, saved in zip(self.param_groups, groups, strict=True):
             group.update(
                 {k: v for k, v in saved.items() if k != "params" and k not in self.IMPLEMENTATION_KEYS}
@@ -489,8 +488,8 @@ class SavedState(torch.optim.Optimizer):
         return groups
 
     def _check_masters(self, entries: list[dict[str, Any] | None]) -> None:
-        """A :class:`StaleMasterWeightsError` for a low-precision parameter that does not round
-        from its entry's ``master_param`` (an fp32 parameter's is not used, so not checked)."""
+        """A `StaleMasterWeightsError` for a low-precision parameter that does not round from its
+        entry's ``master_param`` (an fp32 parameter's is not used, so not checked)."""
         masters = [
             None if entry is None or "master_param" not in entry else self._local(entry["master_param"])
             for entry in entries

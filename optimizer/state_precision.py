@@ -2,13 +2,13 @@
 
 An offloaded AdamW moves its whole state through the store every step: fp32 master weights and two
 fp32 moments, 12 bytes per parameter each way (8 for an fp32 parameter, its own master). A
-:class:`StatePrecision` stores fewer:
+[`StatePrecision`][] stores fewer:
 
-* **moments** (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``): ``"fp32"``; ``"bf16"`` (rounded
-  to nearest, 2 bytes); ``"int8"``, 8-bit blockwise quantisation (1 byte, and a 4-byte absmax per
-  :data:`BLOCK` elements): each block of a row is divided by its largest magnitude and each value
-  rounded to the nearest entry of a dynamic-tree map (:func:`dynamic_map`: a decimal exponent and
-  a linear fraction, more fraction steps for larger magnitudes; the signed map for ``exp_avg``, the
+* **moments** (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``): ``"fp32"``; ``"bf16"`` (rounded to
+  nearest, 2 bytes); ``"int8"``, 8-bit blockwise quantisation (1 byte, and a 4-byte absmax per
+  [`BLOCK`][] elements): each block of a row is divided by its largest magnitude and each value
+  rounded to the nearest entry of a dynamic-tree map ([`dynamic_map`][]: a decimal exponent and a
+  linear fraction, more fraction steps for larger magnitudes; the signed map for ``exp_avg``, the
   non-negative one for the second moments, as 8-bit Adam quantises them);
 * **master** weights of low-precision (bf16, fp16) parameters: ``"fp32"``, or
   ``"bf16-compensated"``: the parameter itself plus a bf16 compensation term (Kahan), the rounding
@@ -39,7 +39,7 @@ BLOCK = 256
 """Elements per quantisation block of an ``int8`` row (one fp32 absmax each)."""
 
 QUANTISE_CHUNK = 1 << 20
-"""Elements quantised at a time (a multiple of :data:`BLOCK`): bounds the kernels' temporaries."""
+"""Elements quantised at a time (a multiple of [`BLOCK`][]): bounds the kernels' temporaries."""
 
 ALIGNMENT = 64
 """Bytes: every segment of a packed sub-group starts at a multiple of this."""
@@ -66,7 +66,7 @@ class StatePrecision:
 
     @property
     def name(self) -> str:
-        """The preset's name (:data:`PRESETS`) if it is one, else ``moments/master``."""
+        """The preset's name ([`PRESETS`][]) if it is one, else ``moments/master``."""
         for name, preset in PRESETS.items():
             if preset == self:
                 return name
@@ -90,8 +90,8 @@ with a compensated bf16 master."""
 
 
 def state_precision(value: object, where: str = "state_precision") -> StatePrecision:
-    """``value`` as a :class:`StatePrecision`: a preset's name (:data:`PRESETS`), a
-    :class:`StatePrecision`, or a mapping with ``moments`` and ``master``.
+    """``value`` as a [`StatePrecision`][]: a preset's name ([`PRESETS`][]), a [`StatePrecision`][],
+    or a mapping with ``moments`` and ``master``.
 
     Raises:
         ConfigError: anything else, naming ``where`` and the accepted values.
@@ -164,7 +164,7 @@ def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _blocks(row: torch.Tensor) -> torch.Tensor:
-    """A row as blocks of :data:`BLOCK` (the last zero-padded, in a copy, if it is short)."""
+    """A row as blocks of [`BLOCK`][] (the last zero-padded, in a copy, if it is short)."""
     blocks = -(-row.numel() // BLOCK)
     if blocks * BLOCK == row.numel():
         return row.view(blocks, BLOCK)
@@ -172,9 +172,9 @@ def _blocks(row: torch.Tensor) -> torch.Tensor:
 
 
 def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
-    """8-bit blockwise quantisation of a row: per :data:`BLOCK` elements (the last block may be
+    """8-bit blockwise quantisation of a row: per [`BLOCK`][] elements (the last block may be
     shorter) the largest magnitude into ``absmax``, and each value divided by it rounded to the
-    nearest entry of :func:`dynamic_map` (its index into ``codes``; a value half-way between two
+    nearest entry of [`dynamic_map`][] (its index into ``codes``; a value half-way between two
     entries takes the one of smaller magnitude).
 
     Args:
@@ -201,8 +201,8 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
 
 
 def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
-    """The inverse of :func:`quantise_blockwise`: each code's map entry times its block's absmax,
-    into the fp32 row ``out``."""
+    """The inverse of [`quantise_blockwise`][]: each code's map entry times its block's absmax, into
+    the fp32 row ``out``."""
     table = _on(_maps(signed)[0], out.device)
     for start in range(0, out.numel(), QUANTISE_CHUNK):
         part = out[start : start + QUANTISE_CHUNK]
@@ -214,16 +214,16 @@ def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.T
 
 def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
     """The compensation term of fp32 ``master`` weights whose parameter holds them rounded to
-    ``param_dtype``: ``master - rounded``, rounded to bf16 (at most half the parameter's
-    resolution: ``param + compensation`` rounds back to the parameter, or lies exactly half-way,
-    which :func:`settled_master` resolves)."""
+    ``param_dtype``: ``master - rounded``, rounded to bf16 (at most half the parameter's resolution:
+    ``param + compensation`` rounds back to the parameter, or lies exactly half-way, which
+    [`settled_master`][] resolves)."""
     compensation.copy_(master - master.to(param_dtype).float())
 
 
 def settled_master(master: torch.Tensor, param: torch.Tensor) -> None:
     """``master`` (``param + compensation``) moved one fp32 step towards the parameter where it lies
     exactly half-way to the parameter's neighbour, so that the parameter rounds from it: the master
-    weights handed out (state dicts, :meth:`master_params`) are ones their parameter rounds from."""
+    weights handed out (state dicts, `master_params`) are ones their parameter rounds from."""
     ties = master.to(param.dtype) != param
     master.copy_(torch.where(ties, torch.nextafter(master, param.float()), master))
 
@@ -319,8 +319,8 @@ class PackedLayout:
             windows: for a compensated master, each low-precision piece's offset in the sub-group
                 and its parameter's elements; the master is ``param + compensation`` there and
                 zero elsewhere.
-            settle: hand out a compensated master its parameter rounds from
-                (:func:`settled_master`), rather than the one the update continues from.
+            settle: hand out a compensated master its parameter rounds from ([`settled_master`][]),
+                rather than the one the update continues from.
         """
         for segment, row in zip(self.segments, rows.view(len(self.kinds), self.numel), strict=True):
             if segment.format == "fp32":

@@ -1,24 +1,24 @@
 """Staging sub-group state between a TierStore and a fixed pool of DRAM buffers.
 
-Both offloaded optimizers (:class:`~tierstore.optimizer.OffloadedAdamW` and the DeepSpeed
-integration's swapper) move the same thing: one fp32 object per sub-group, read before its update
-and written after it. The stager owns the buffers and the policies that make that fast:
+Both offloaded optimizers ([`OffloadedAdamW`][] and the DeepSpeed integration's swapper) move the
+same thing: one fp32 object per sub-group, read before its update and written after it. The stager
+owns the buffers and the policies that make that fast:
 
 * a read-ahead ring of ``prefetch_depth`` buffers, filled in pass order while the current
   sub-group is updated;
 * write-back in the background, a buffer returning to the pool once its write is done;
 * the sub-groups kept in DRAM at the end of a pass (MLP-Offload's cache-friendly order,
-  :func:`pass_order`: the next, reversed pass starts with them), chosen by the I/O model, the
-  static last-K rule, or none; a kept sub-group skips its write now and its read next pass.
+  `pass_order`: the next, reversed pass starts with them), chosen by the I/O model, the static
+  last-K rule, or none; a kept sub-group skips its write now and its read next pass.
 
-The DRAM it holds is bounded up front and reserved from the store's ledger as one
-:class:`~tierstore.staging.StagingArea` (``"optimizer <namespace>"``): ``prefetch_depth`` ring
-buffers the size of the largest sub-group and the caller's own gradient buffer (the working set),
-and the area's pool over the rest of the budget (page-rounded, as every buffer is), which holds
-kept sub-groups at their own size (so sub-groups of uneven size, APOLLO's whole parameters say, are kept
-by bytes, not by count) and lends the ring extra buffers while it has room. The buffers are not
-pinned: an optimizer over CPU parameters updates its state on the CPU, and no device copy reads
-them (:class:`~tierstore.optimizer.device.DeviceStager`, the stager of an optimizer over GPU
+The DRAM it holds is bounded up front and reserved from the store's ledger as one [`StagingArea`][]
+(``"optimizer <namespace>"``): ``prefetch_depth`` ring buffers the size of the largest sub-group and
+the caller's own gradient buffer (the working set), and the area's pool over the rest of the budget
+(page-rounded, as every buffer is), which holds kept sub-groups at their own size (so sub-groups of
+uneven size, APOLLO's whole parameters say, are kept by bytes, not by count) and lends the ring
+extra buffers while it has room. The buffers are not pinned: an optimizer over CPU parameters
+updates its state on the CPU, and no device copy reads them
+([`DeviceStager`][tierstore.optimizer.device.DeviceStager], the stager of an optimizer over GPU
 parameters, pins them). The optimizer's state layout is its own: the stager sees only a named fp32
 object per sub-group.
 """
@@ -58,19 +58,18 @@ class SubGroupStager:
     """Reads, holds and writes back fp32 sub-group states of at most ``slot_elements`` each.
 
     A pass is ``begin_pass(order)``, then ``acquire``/``release`` per sub-group in that order, then
-    ``end_pass()``. ``begin_pass`` may come early (reads start as soon as staging buffers are
-    free: an update's first sub-groups can arrive while backward runs), and ``end_pass`` leaves
-    the last write-backs running (they finish while the next forward runs; their buffers come
-    back when needed, and :meth:`flush`, :meth:`wait_writes` and :meth:`close` wait for them).
-    ``acquire`` and ``release`` also work outside a pass (one blocking read, one write-back),
-    which is what initialisation and checkpoint restore need.
+    ``end_pass()``. ``begin_pass`` may come early (reads start as soon as staging buffers are free:
+    an update's first sub-groups can arrive while backward runs), and ``end_pass`` leaves the last
+    write-backs running (they finish while the next forward runs; their buffers come back when
+    needed, and `flush`, `wait_writes` and `close` wait for them). ``acquire`` and ``release`` also
+    work outside a pass (one blocking read, one write-back), which is what initialisation and
+    checkpoint restore need.
 
     The sub-groups are the store objects ``"<namespace>/<name>"``: the stager claims ``namespace``
-    on the store for ``owner`` (:attr:`TierStore.namespaces`), so a second stager, optimizer or
-    other workload writing the same keys is refused with
-    :class:`~tierstore.errors.NamespaceInUseError` instead of overwriting them. The claim and the
-    staging area (``dram_budget`` bytes of the store's ledger) last until :meth:`close` (or
-    :meth:`abandon`, or garbage collection).
+    on the store for ``owner`` ([`TierStore.namespaces`][]), so a second stager, optimizer or other
+    workload writing the same keys is refused with [`NamespaceInUseError`][] instead of overwriting
+    them. The claim and the staging area (``dram_budget`` bytes of the store's ledger) last until
+    `close` (or `abandon`, or garbage collection).
 
     Args:
         store: the store holding the sub-group objects, and whose ledger the DRAM is reserved from.
@@ -121,7 +120,7 @@ class SubGroupStager:
         self.reserved_bytes = reserved_bytes
         working = self.working_bytes
         self._budget_follows = given is None
-        """No budget given: it is the working set, and follows it when :meth:`grow` enlarges it."""
+        """No budget given: it is the working set, and follows it when `grow` enlarges it."""
         budget = working if given is None else given
         if budget < working:
             raise CapacityError(
@@ -308,7 +307,7 @@ class SubGroupStager:
 
     def restored(self, name: Hashable, elements: int) -> None:
         """The store's object for ``name`` was replaced from outside (a checkpoint's state copied
-        back into the store, after :meth:`drop_resident`): it holds ``elements`` values now."""
+        back into the store, after `drop_resident`): it holds ``elements`` values now."""
         self._sizes[name] = elements
 
     def drop_resident(self) -> None:
@@ -325,11 +324,11 @@ class SubGroupStager:
         """The read-ahead ring's buffers, idle, for a caller that streams the whole state through
         the optimizer's own DRAM (a checkpoint): any pass is ended, the kept sub-groups written back
         and forgotten, and every write waited for, so the store holds the whole state. The caller
-        may use the buffers until the next :meth:`begin_pass` or :meth:`acquire`; the pool's
-        buffers are all free meanwhile.
+        may use the buffers until the next `begin_pass` or `acquire`; the pool's buffers are all
+        free meanwhile.
 
         Returns:
-            The ring's :attr:`ring_size` buffers of the largest sub-group's size each.
+            The ring's `ring_size` buffers of the largest sub-group's size each.
         """
         self.end_pass()
         self.flush()
@@ -343,9 +342,9 @@ class SubGroupStager:
         """Make the ring hold sub-groups of ``slot_elements`` fp32 values and the caller's own
         buffer ``reserved_bytes`` (sub-groups were added), outside a pass. The kept sub-groups are
         written back and the pool rebuilt over what the budget leaves. A ``dram_budget`` given at
-        construction that no longer holds the working set is a :class:`CapacityError`, and then
-        nothing changes; so is a grown budget that the store's ledger cannot hold, and then only
-        the kept sub-groups have been written back."""
+        construction that no longer holds the working set is a [`CapacityError`][], and then nothing
+        changes; so is a grown budget that the store's ledger cannot hold, and then only the kept
+        sub-groups have been written back."""
         slot_bytes = max(self.slot_bytes, FP32 * slot_elements)
         reserved_bytes = max(self.reserved_bytes, reserved_bytes)
         working = self.ring_size * slot_bytes + reserved_bytes
@@ -373,7 +372,7 @@ class SubGroupStager:
 
     def close(self) -> None:
         """Write the kept sub-groups back (the store then holds the whole state), wait for the
-        writes in flight, and :meth:`abandon`. Idempotent."""
+        writes in flight, and `abandon`. Idempotent."""
         if self.closed:
             return
         try:
@@ -384,14 +383,14 @@ class SubGroupStager:
             self.abandon()
 
     def abandon(self) -> None:
-        """Give back the namespace and the staging area now, writing nothing (:meth:`close` writes
-        the kept sub-groups first)."""
+        """Give back the namespace and the staging area now, writing nothing (`close` writes the
+        kept sub-groups first)."""
         self._unclaim()
         self.area.close()
 
     # -- internals ------------------------------------------------------------------------------
     def _new_ring(self, slot_bytes: int) -> list[torch.Tensor]:
-        """The read-ahead ring's :attr:`ring_size` buffers of ``slot_bytes`` each."""
+        """The read-ahead ring's `ring_size` buffers of ``slot_bytes`` each."""
         return [aligned_tensor(slot_bytes // FP32) for _ in range(self.ring_size)]
 
     def _read(self, name: Hashable, buffer: torch.Tensor) -> Future[torch.Tensor]:
@@ -475,10 +474,9 @@ class SubGroupStager:
             self.area.release(block)
 
     def _plan_keep(self, order: list[Hashable]) -> set[Hashable]:
-        """What stays in the pool at the end of the pass: the I/O model's choice
-        (:func:`~tierstore.pass_plan.keep_from_end`) or MLP-Offload's last K that fit. Sizes are whole
-        pages, as the pool carves them, so a planned set always fits the pool once the previous
-        pass's kept set is gone."""
+        """What stays in the pool at the end of the pass: the I/O model's choice (`keep_from_end`)
+        or MLP-Offload's last K that fit. Sizes are whole pages, as the pool carves them, so a
+        planned set always fits the pool once the previous pass's kept set is gone."""
         room = self.area.capacity
         if self.cache_policy == "none" or room == 0:
             return set()

@@ -1,24 +1,23 @@
 """The rules every option check shares, each written once.
 
 An option (the store's cache budget, a tier's placement, the optimizer's prefetch depth...) is
-defined once, as a field of a pydantic model deriving from :class:`ConfigModel`: its type, its
-default, its constraints, and what it means in the docstring under it. Everything that takes the
-option validates through that field:
+defined once, as a field of a pydantic model deriving from `ConfigModel`: its type, its default, its
+constraints, and what it means in the docstring under it. Everything that takes the option validates
+through that field:
 
 * a configuration document (a dict, a TOML or JSON file, the DeepSpeed config's section), with
   ``Model.model_validate``;
-* keyword arguments given from Python, with :func:`check_arguments`: a value must already have the
-  option's type (an integer, not ``"4"`` nor ``2.0``), and an error is a
-  :class:`~tierstore.errors.ConfigError` ``"<argument>: must be <requirement>, not <value>"``;
-* another model taking the same option (the DeepSpeed section's ``workers``), with
-  :func:`defined_in`; a signature taking it as a keyword argument gets its default with
-  :func:`default_of`;
-* the configuration reference (:mod:`tierstore.app.reference`), written from the same fields.
+* keyword arguments given from Python, with `check_arguments`: a value must already have the
+  option's type (an integer, not ``"4"`` nor ``2.0``), and an error is a [`ConfigError`][]
+  ``"<argument>: must be <requirement>, not <value>"``;
+* another model taking the same option (the DeepSpeed section's ``workers``), with `defined_in`; a
+  signature taking it as a keyword argument gets its default with `default_of`;
+* the configuration reference (`tierstore.app.reference`), written from the same fields.
 
 Either way a bool is refused where a number belongs: Python and pydantic read ``True`` as 1, so
 ``budget = true`` would be one byte and ``workers=True`` one thread. And a size in bytes (a field of
-pydantic's ``ByteSize``) follows one rule from Python as in a document, :func:`byte_count`: an
-integer >= 0 or text such as ``"64MiB"``; anything else is refused with one message,
+pydantic's ``ByteSize``) follows one rule from Python as in a document, `byte_count`: an integer >=
+0 or text such as ``"64MiB"``; anything else is refused with one message,
 ``"<name>: must be a number of bytes >= 0 (an integer or text such as '64MiB'), not <value>"``.
 """
 
@@ -48,7 +47,7 @@ from pydantic_core import PydanticCustomError
 from .errors import ConfigError
 
 _FROM_PYTHON = "values given from Python"
-"""The validation context of :func:`check_arguments`: values must already have their field's type."""
+"""The validation context of `check_arguments`: values must already have their field's type."""
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -144,8 +143,8 @@ def check_arguments(
     names: Mapping[tuple[str, ...], str] | None = None,
 ) -> Model:
     """``arguments`` (keyword arguments given from Python, in ``model``'s layout) validated through
-    ``model``'s fields, the option definitions: each value must already have its field's type,
-    but a size in bytes takes text (``"512MiB"``) as in a document (:func:`byte_count`).
+    ``model``'s fields, the option definitions: each value must already have its field's type, but a
+    size in bytes takes text (``"512MiB"``) as in a document (`byte_count`).
 
     Args:
         model: the model defining the options.
@@ -257,8 +256,8 @@ def _is_byte_size(annotation: Any) -> bool:
 
 def _holds(annotation: Any, value: object) -> bool:
     """Whether a value given from Python already has a type the field holds: pydantic would
-    otherwise turn ``"4"`` and ``2.0`` into the integer option 4 or 2 (sizes in bytes have their
-    own rule, :func:`byte_count`)."""
+    otherwise turn ``"4"`` and ``2.0`` into the integer option 4 or 2 (sizes in bytes have their own
+    rule, `byte_count`)."""
     origin = get_origin(annotation)
     if origin is Annotated:
         return _holds(get_args(annotation)[0], value)

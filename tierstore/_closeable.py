@@ -8,8 +8,8 @@ from typing import Self
 
 
 class Closeable(ABC):
-    """Base of the classes a ``with`` block closes on exit, whether the block raised or not
-    (stores, backends, checkpoint tier sets). Subclasses implement :meth:`close`."""
+    """Base of the classes a ``with`` block closes on exit, whether the block raised or not (stores,
+    backends, checkpoint tier sets). Subclasses implement `close`."""
 
     @abstractmethod
     def close(self) -> None:

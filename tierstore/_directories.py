@@ -2,9 +2,9 @@
 
 A store opened on a path that does not exist yet creates it (and its missing parents); a scratch
 store deletes its objects at close, but not those directories. Whoever chose the path for the user
-(``tierstore train``'s default directory, the DeepSpeed integration's ``<nvme_path>/tierstore/rank<N>``)
-notes what creating it makes, with :func:`missing_directories`, before the store opens, and
-removes them afterwards with :func:`remove_empty`.
+(``tierstore train``'s default directory, the DeepSpeed integration's
+``<nvme_path>/tierstore/rank<N>``) notes what creating it makes, with `missing_directories`, before
+the store opens, and removes them afterwards with `remove_empty`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ def missing_directories(path: str | Path) -> list[Path]:
 
 
 def remove_empty(directories: Sequence[Path]) -> None:
-    """Remove ``directories`` (from :func:`missing_directories`, deepest first) as far as each is
-    empty: the first that is not (files of the run's or of someone else's) or is gone already
-    stays, with every directory above it."""
+    """Remove ``directories`` (from `missing_directories`, deepest first) as far as each is empty:
+    the first that is not (files of the run's or of someone else's) or is gone already stays, with
+    every directory above it."""
     for directory in directories:
         try:
             directory.rmdir()

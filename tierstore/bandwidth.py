@@ -1,9 +1,9 @@
 """Path bandwidth: measured once by a short probe (cached on disk), then tracked online.
 
-:class:`ThroughputMeter` turns completed requests into a throughput estimate: bytes moved per
-second of *busy* time (time with at least one request in flight, so concurrency is not counted
-twice), sampled over short windows and smoothed with an exponentially weighted moving average, so
-a path that slows down is given less within a few objects.
+`ThroughputMeter` turns completed requests into a throughput estimate: bytes moved per second of
+*busy* time (time with at least one request in flight, so concurrency is not counted twice), sampled
+over short windows and smoothed with an exponentially weighted moving average, so a path that slows
+down is given less within a few objects.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class InFlight:
         self._lock = threading.Lock()
 
     def enter(self) -> tuple[float, float]:
-        """A request starts; the stamp to pass to :meth:`leave`."""
+        """A request starts; the stamp to pass to `leave`."""
         with self._lock:
             now = self._advance()
             self._count += 1
@@ -101,7 +101,7 @@ class ThroughputMeter:
         self._lock = threading.Lock()
 
     def started(self) -> tuple[float, float]:
-        """Note a request's start; pass the returned stamp to :meth:`finished`."""
+        """Note a request's start; pass the returned stamp to `finished`."""
         with self._lock:
             self._advance()
             self._active += 1
@@ -143,7 +143,7 @@ class Bandwidth:
 @dataclass(frozen=True)
 class PathSpeed:
     """One path's bandwidth estimates, by the path's name: what a workload plans its I/O with
-    (:meth:`TierStore.bandwidths`)."""
+    ([`TierStore.bandwidths`][])."""
 
     name: str
     read: float

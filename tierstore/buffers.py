@@ -7,20 +7,19 @@ array holds the mapping alive for as long as any tensor view exists (``torch.fro
 and crashes once the mapping is closed).
 
 A pool made with ``pin=True`` (a workload that copies to a device) page-locks each map for
-asynchronous copies (:func:`tierstore.device.lock_pages`, on the calling thread's current
-device); no other pool touches CUDA. A pinned map is not inherited by a forked child
-(``MADV_DONTFORK``: a child's copy-on-write fault would otherwise give the parent a new page while
-a DMA still targets the old one), and it is unlocked exactly once, by a finalizer on the numpy array
-every view of it holds: when the pool gives the map back, or when the last view is gone, whichever
-comes first, always before the map is unmapped (a map unmapped while still registered would make a
-later map at the same address fail to register).
+asynchronous copies ([`tierstore.device.lock_pages`][], on the calling thread's current device); no
+other pool touches CUDA. A pinned map is not inherited by a forked child (``MADV_DONTFORK``: a
+child's copy-on-write fault would otherwise give the parent a new page while a DMA still targets the
+old one), and it is unlocked exactly once, by a finalizer on the numpy array every view of it holds:
+when the pool gives the map back, or when the last view is gone, whichever comes first, always
+before the map is unmapped (a map unmapped while still registered would make a later map at the same
+address fail to register).
 
 The pool does not map one region per buffer: the kernel allows about 65,000 maps per process
 (``vm.max_map_count``), so a cache of many small objects would fail with ENOMEM long before its
-budget. It carves buffers out of a few large maps (:class:`_Arena`: runs of pages, first fit,
-pinned once per map), and objects under a page share pages as slots of a size class
-(:class:`_Slab`). Buffers of a page or more keep page-aligned addresses and page-multiple
-capacities, as O_DIRECT needs.
+budget. It carves buffers out of a few large maps (`_Arena`: runs of pages, first fit, pinned once
+per map), and objects under a page share pages as slots of a size class (`_Slab`). Buffers of a page
+or more keep page-aligned addresses and page-multiple capacities, as O_DIRECT needs.
 
 Freed pages normally go back to the kernel, so an idle pool costs nothing. A *resident* pool
 (``resident=True``) keeps them instead, up to its capacity: memory reused for buffers of every
@@ -28,10 +27,10 @@ size without a page fault (a first touch costs several times what copying into a
 does), and never more resident than the capacity. For workloads whose buffer sizes change all the
 time (saved activations) and that fill their budget every step anyway.
 
-Large maps are backed by transparent huge pages (:func:`_anonymous_map`): the block layer turns an
-O_DIRECT request into one segment per physically contiguous piece of its buffer, so on 4 KiB
-pages a 4 MiB request is split into requests of a few hundred KiB (``max_segments``), and this
-machine's disk moved about 0.7 GB/s that way against 2-3 GB/s with the whole 4 MiB in one request.
+Large maps are backed by transparent huge pages (`_anonymous_map`): the block layer turns an
+O_DIRECT request into one segment per physically contiguous piece of its buffer, so on 4 KiB pages a
+4 MiB request is split into requests of a few hundred KiB (``max_segments``), and this machine's
+disk moved about 0.7 GB/s that way against 2-3 GB/s with the whole 4 MiB in one request.
 """
 
 from __future__ import annotations
@@ -76,8 +75,8 @@ def buffer_address(buffer: memoryview) -> int:
 class AlignedBuffer:
     """A page-aligned, optionally page-locked block of host memory of fixed capacity.
 
-    Built directly, it is a map of its own. A :class:`BufferPool` hands out buffers carved from
-    its arenas instead: a slice of a shared map, whose pinning belongs to the map.
+    Built directly, it is a map of its own. A [`BufferPool`][] hands out buffers carved from its
+    arenas instead: a slice of a shared map, whose pinning belongs to the map.
 
     Args:
         capacity: its size in bytes (rounded up to whole pages).
@@ -139,10 +138,10 @@ class AlignedBuffer:
 def _anonymous_map(nbytes: int) -> tuple[mmap.mmap, int]:
     """A private anonymous map with room for ``nbytes`` from the returned (page-aligned) offset.
 
-    From :data:`HUGE_MAP_BYTES` on it is backed by transparent huge pages, the offset aligned to
-    one (the map is a huge page longer; the untouched slack is never resident); smaller maps are
-    kept off them. Private, not Python's default shared map: shared anonymous memory is shmem,
-    which the kernel does not back with huge pages here (``shmem_enabled`` is ``never``)."""
+    From `HUGE_MAP_BYTES` on it is backed by transparent huge pages, the offset aligned to one (the
+    map is a huge page longer; the untouched slack is never resident); smaller maps are kept off
+    them. Private, not Python's default shared map: shared anonymous memory is shmem, which the
+    kernel does not back with huge pages here (``shmem_enabled`` is ``never``)."""
     huge = _huge(nbytes)
     memory = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if not huge:
@@ -333,7 +332,7 @@ def _pages(nbytes: int) -> int:
 
 
 class Lease(NamedTuple):
-    """Pool memory lent by :meth:`BufferPool.try_lease`: two uint8 tensors over the same bytes."""
+    """Pool memory lent by [`BufferPool.try_lease`][]: two uint8 tensors over the same bytes."""
 
     tensor: torch.Tensor
     """Holds the lease: the buffer returns to the pool when no tensor shares this storage."""
@@ -347,9 +346,9 @@ class BufferPool:
 
     Buffers are kept per size (page-rounded, or a slot size under a page), so a workload of
     equal-sized objects (optimizer subgroups) allocates once and then only reuses.
-    ``allocated_bytes`` (memory held: pages of buffers in use or idle, whole pages for slabs)
-    never exceeds ``capacity``: idle buffers of other sizes are freed to make room, and when
-    buffers in use leave no room :meth:`try_acquire` returns ``None`` so the caller can evict.
+    ``allocated_bytes`` (memory held: pages of buffers in use or idle, whole pages for slabs) never
+    exceeds ``capacity``: idle buffers of other sizes are freed to make room, and when buffers in
+    use leave no room [`try_acquire`][] returns ``None`` so the caller can evict.
 
     ``pin``: page-lock the memory for asynchronous copies to a device (for a workload that makes
     them; see the module docstring), on the calling thread's current device, through ``runtime``
@@ -412,9 +411,8 @@ class BufferPool:
         pages into pieces too small, it gives some back and takes fresh ones (page faults) for a
         run elsewhere. Callers pass it when waiting can free nothing more.
 
-        Raises :class:`CapacityError` if ``nbytes`` exceeds the whole pool, and its subclass
-        :class:`~tierstore.errors.PinnedMemoryError` if a pinned pool's new map cannot be
-        page-locked.
+        Raises [`CapacityError`][] if ``nbytes`` exceeds the whole pool, and its subclass
+        [`PinnedMemoryError`][] if a pinned pool's new map cannot be page-locked.
         """
         if not self.fits(nbytes):
             raise CapacityError(
@@ -436,9 +434,9 @@ class BufferPool:
     def try_lease(
         self, nbytes: int, on_return: Callable[[], None] | None = None, *, fresh_pages: bool = False
     ) -> Lease | None:
-        """A buffer of at least ``nbytes`` lent as tensors of exactly ``nbytes`` (see
-        :class:`Lease`), or ``None`` while in-use buffers leave no room (as :meth:`try_acquire`,
-        which also says what ``fresh_pages`` means).
+        """A buffer of at least ``nbytes`` lent as tensors of exactly ``nbytes`` (see `Lease`), or
+        ``None`` while in-use buffers leave no room (as [`try_acquire`][], which also says what
+        ``fresh_pages`` means).
 
         The buffer comes back by itself once the last tensor sharing ``Lease.tensor``'s storage
         is gone, then ``on_return`` runs, on whichever thread let go last: lend memory to code
@@ -478,7 +476,7 @@ class BufferPool:
             self._drop_empty_arenas()
 
     def close(self) -> None:
-        """:meth:`clear`, and free each buffer still in use as soon as it is released: its map, if
+        """[`clear`][], and free each buffer still in use as soon as it is released: its map, if
         pinned, is unlocked then, never while the buffer may still be in a copy."""
         with self._lock:
             self._closed = True
@@ -523,8 +521,8 @@ class BufferPool:
         return AlignedBuffer.carved(slab.arena, offset, size, slab)
 
     def _run(self, pages: int, fresh_pages: bool) -> tuple[_Arena, int] | None:
-        """A free run of ``pages`` pages in some arena, mapping a new arena if none has one; None
-        if a resident pool's one map has none (see :meth:`try_acquire`)."""
+        """A free run of ``pages`` pages in some arena, mapping a new arena if none has one; None if
+        a resident pool's one map has none (see [`try_acquire`][])."""
         for arena in self._arenas:
             offset = arena.allocate(pages, fresh_pages)
             if offset is not None:

@@ -2,14 +2,13 @@
 copies of objects in staging buffers and gets dirty copies onto a tier without ever exceeding its
 byte budget.
 
-A store with a cache budget of 0 has no cache at all; puts and gets that bypass it
-(``cache=False``, the training workloads) touch it only to drop a stale copy of the key. The cache
-knows nothing of the store: it is given its memory (a :class:`~tierstore.staging.StagingArea`), a
-writer (bytes -> a placement: the tier chain) and its commit hook (``on_written``: the catalog's
-:meth:`~tierstore.catalog.Catalog.written`, which journals each written version if its record is
-still the key's current one). Each entry holds the record it caches, so that check needs nothing of
-the cache. Write-back completions run on the cache's own completion thread, so a journal
-``fdatasync`` or a stale copy's delete never holds up a backend's I/O threads.
+A store with a cache budget of 0 has no cache at all; puts and gets that bypass it (``cache=False``,
+the training workloads) touch it only to drop a stale copy of the key. The cache knows nothing of
+the store: it is given its memory (a [`StagingArea`][]), a writer (bytes -> a placement: the tier
+chain) and its commit hook (``on_written``: the catalog's `written`, which journals each written
+version if its record is still the key's current one). Each entry holds the record it caches, so
+that check needs nothing of the cache. Write-back completions run on the cache's own completion
+thread, so a journal ``fdatasync`` or a stale copy's delete never holds up a backend's I/O threads.
 
 An entry's buffer goes back to the pool only when nothing uses it any more: no reader has it
 pinned, no write-back is reading from it, and it is no longer the object's current copy. Making
@@ -17,11 +16,10 @@ room waits for write-back of dirty entries instead of growing. The cache's own l
 entries alone.
 
 A dirty copy whose write-back failed (a full tier: its capacity or ENOSPC; an I/O error) stays in
-the cache, readable, and is only written again by :meth:`WriteBackCache.flush`. Until then the
-failure is reported, naming the keys, by every flush, by every new dirty copy
-(:meth:`WriteBackCache.check_written_back`) and by the store's close; a read that finds the room
-held by such copies gets no entry (:meth:`WriteBackCache.load` returns None) and reads around
-the cache.
+the cache, readable, and is only written again by `WriteBackCache.flush`. Until then the failure is
+reported, naming the keys, by every flush, by every new dirty copy
+(`WriteBackCache.check_written_back`) and by the store's close; a read that finds the room held by
+such copies gets no entry (`WriteBackCache.load` returns None) and reads around the cache.
 """
 
 from __future__ import annotations
@@ -138,8 +136,8 @@ class WriteBackCache:
     ) -> None:
         """``memory``: the buffers cached copies live in (its budget is the cache's; the cache
         closes it); ``write`` / ``write_pack``: put bytes on a tier (one object, or small objects
-        packed into one); ``on_written``: the commit hook (see :data:`OnWritten`);
-        ``pack_below``: dirty objects smaller than this are written back in packs."""
+        packed into one); ``on_written``: the commit hook (see `OnWritten`); ``pack_below``: dirty
+        objects smaller than this are written back in packs."""
         self.lock = threading.Condition()
         self.pack_below = pack_below
         """Dirty objects smaller than this are written back in packs (one backend object each)."""
@@ -202,8 +200,8 @@ class WriteBackCache:
 
     # -- entries ----------------------------------------------------------------------------------
     def new_entry(self, key: str, record: Record, *, dirty: bool, pins: int = 0) -> CacheEntry | None:
-        """An unattached entry with a buffer for ``record``'s bytes (making room as needed), or
-        None where copies whose write-back failed hold the room (:meth:`no_room` says so)."""
+        """An unattached entry with a buffer for ``record``'s bytes (making room as needed), or None
+        where copies whose write-back failed hold the room (`no_room` says so)."""
         buffer = self._acquire(record.nbytes)
         return None if buffer is None else CacheEntry(key, record, buffer, dirty=dirty, pins=pins)
 
@@ -258,7 +256,7 @@ class WriteBackCache:
             what: the operation refused, for the message (``"put('k')"``).
 
         Raises:
-            BackendIOError: see :meth:`write_back_error`.
+            BackendIOError: see `write_back_error`.
         """
         if not self._failed:  # read without the lock: the common case costs one attribute read
             return
@@ -281,8 +279,8 @@ class WriteBackCache:
             describe: how the message shows each key.
 
         Returns:
-            A :class:`BackendIOError` naming every such key, with the errno of the failure (ENOSPC
-            for a tier at its capacity) and the failure itself as ``__cause__``.
+            A [`BackendIOError`][] naming every such key, with the errno of the failure (ENOSPC for
+            a tier at its capacity) and the failure itself as ``__cause__``.
         """
         with self.lock:
             if not self._failed:
@@ -306,12 +304,12 @@ class WriteBackCache:
     def flush(self) -> None:
         """Write every dirty entry back and wait.
 
-        Entries smaller than ``pack_below`` go in packs: one backend object of up to
-        :data:`PACK_BYTES` per batch.
+        Entries smaller than ``pack_below`` go in packs: one backend object of up to `PACK_BYTES`
+        per batch.
 
         Raises:
-            BackendIOError: a write-back failed (see :meth:`write_back_error`); those entries stay
-                dirty in the cache.
+            BackendIOError: a write-back failed (see `write_back_error`); those entries stay dirty
+                in the cache.
         """
         with self.lock:
             dirty = [entry for entry in self._index if entry.dirty and not entry.writing]
@@ -482,7 +480,7 @@ class WriteBackCache:
 
 def _errno_of(cause: BaseException | None) -> int:
     """The errno a failed write-back reports: its cause's, ENOSPC for a tier at its capacity
-    (:class:`CapacityError`, which has none), else EIO."""
+    ([`CapacityError`][], which has none), else EIO."""
     if isinstance(cause, OSError) and cause.errno:
         return cause.errno
     return errno.ENOSPC if isinstance(cause, CapacityError) else errno.EIO

@@ -6,10 +6,10 @@ fresh backend name first, journaled (fsynced) after, and only then is the versio
 deleted, so a crash leaves each key at its old or its new version. A version still only in the
 write-back cache keeps the journaled one alive (``Record.journaled``) until it is written back.
 
-The catalog knows nothing of the cache: a version whose bytes are only in DRAM is a record without
-a placement, and the cache, once it has written such a version to a tier, commits the placement
-through :meth:`Catalog.written`, which applies it only if that record is still the key's current
-one. Its own lock guards the records alone.
+The catalog knows nothing of the cache: a version whose bytes are only in DRAM is a record without a
+placement, and the cache, once it has written such a version to a tier, commits the placement
+through `Catalog.written`, which applies it only if that record is still the key's current one. Its
+own lock guards the records alone.
 
 Over a read-only manifest the catalog only reads: it collects no garbage at the open (a writer
 may have the manifest open, and its objects not yet journaled are not garbage) and neither
@@ -45,7 +45,7 @@ class Record:
     journaled: Placement | None = None
     """Persistent stores: the version the manifest names while a newer one is only cached."""
     scratch: bool = False
-    """Never journaled (see :meth:`TierStore.put`)."""
+    """Never journaled (see [`TierStore.put`][])."""
     damaged: str | None = None
     """Why the manifest entry this record was loaded from does not fit its object (its reads are
     refused; it can still be deleted or overwritten), or None."""

@@ -3,12 +3,12 @@ deletes and garbage collection.
 
 A new version goes to the first tier with room; a tier whose write fails with an I/O error (ENOSPC,
 a dead path) hands it on to the next one, the same failover a tier does across its paths
-(:func:`~tierstore._futures.with_failover`). Capacity is each tier's own business: a tier claims
-it when it accepts a write and gives it back on failure or :meth:`Tier.discard`.
+(`with_failover`). Capacity is each tier's own business: a tier claims it when it accepts a write
+and gives it back on failure or [`Tier.discard`][].
 
-Backend object names are ``{token}-{n:x}`` (:func:`~tierstore.manifest.token_of`): the token is
-the store session's (journaled first in a persistent store), so objects of concurrent stores never
-clash and an interrupted write's object is recognised as garbage at the next open.
+Backend object names are ``{token}-{n:x}`` (`token_of`): the token is the store session's (journaled
+first in a persistent store), so objects of concurrent stores never clash and an interrupted write's
+object is recognised as garbage at the next open.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ class TierChain:
 
     Args:
         tiers: the tiers, fastest (tried first) to last; no two paths may share a medium.
-        token: this store session's token (:attr:`Manifest.token`, or a fresh one for a scratch
-            store), which prefixes every backend object name the chain makes.
-        verify: when reads check checksums: ``"always"``, ``"sampled"`` (one read in
-            :data:`SAMPLE_EVERY`) or ``"off"`` (and then nothing is checksummed at all).
+        token: this store session's token (`Manifest.token`, or a fresh one for a scratch store),
+            which prefixes every backend object name the chain makes.
+        verify: when reads check checksums: ``"always"``, ``"sampled"`` (one read in `SAMPLE_EVERY`)
+            or ``"off"`` (and then nothing is checksummed at all).
 
     Raises:
         ConfigError: two paths share a medium.
@@ -134,11 +134,11 @@ class TierChain:
             raise BackendIOError(errno.EIO, f"key {key!r}: stored object is truncated ({error})") from None
 
     def copy_in(self, source: Placement) -> Placement | None:
-        """``source`` (another store's version) as a new object on this chain's first tier,
-        copied path by path without passing through this process (:meth:`Tier.copy_from`: each
-        extent to the path of the same index where the tier has it, keeping its checksum); None,
-        leaving nothing behind, where that is not possible (a packed object, a tier with too few
-        paths to keep it one object, backends that cannot)."""
+        """``source`` (another store's version) as a new object on this chain's first tier, copied
+        path by path without passing through this process ([`Tier.copy_from`][]: each extent to the
+        path of the same index where the tier has it, keeping its checksum); None, leaving nothing
+        behind, where that is not possible (a packed object, a tier with too few paths to keep it
+        one object, backends that cannot)."""
         copied = self.tiers[0].copy_from(source, self.new_name, split=False)
         return None if copied is None else copied[0][1]
 
@@ -183,7 +183,7 @@ class TierChain:
         return speeds
 
     def stats(self) -> dict[str, Any]:
-        """Each tier's :meth:`Tier.stats`, by tier name."""
+        """Each tier's [`Tier.stats`][], by tier name."""
         return {tier.name: tier.stats() for tier in self.tiers}
 
     def close(self) -> None:

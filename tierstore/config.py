@@ -1,11 +1,11 @@
 """The store's options, each defined once, and its configuration document.
 
-Each option of a store is one field of the models below (type, default, constraints, and its
-meaning in the docstring under it). The document (a dict, a JSON file or a TOML file) validates
-through them with :func:`load_config`; :class:`~tierstore.TierStore`'s keyword arguments validate
-through the same fields (:meth:`StoreOptions.from_arguments`, the keywords named in
-:data:`STORE_ARGUMENTS`); the DeepSpeed section reuses them; the README's configuration
-reference is written from them (:mod:`tierstore.app.reference`). Example (TOML)::
+Each option of a store is one field of the models below (type, default, constraints, and its meaning
+in the docstring under it). The document (a dict, a JSON file or a TOML file) validates through them
+with [`load_config`][]; [`TierStore`][]'s keyword arguments validate through the same fields
+(`StoreOptions.from_arguments`, the keywords named in `STORE_ARGUMENTS`); the DeepSpeed section
+reuses them; the README's configuration reference is written from them (`tierstore.app.reference`).
+Example (TOML)::
 
     [cache]
     budget = "2GiB"           # DRAM cache byte budget (bytes or "512MiB", "2GB"...)
@@ -43,8 +43,8 @@ from .errors import ConfigError, config_error_from_validation
 
 
 def parse_byte_size(value: str | int) -> int:
-    """Bytes from an integer or text such as ``"64MiB"`` or ``"2GB"``, by the rule of every size
-    in bytes (:func:`~tierstore._checks.byte_count`).
+    """Bytes from an integer or text such as ``"64MiB"`` or ``"2GB"``, by the rule of every size in
+    bytes (`byte_count`).
 
     Raises:
         ConfigError: ``"must be a number of bytes >= 0 (an integer or text such as '64MiB'), not
@@ -165,8 +165,8 @@ class TierConfig(ConfigModel):
 
 
 class TierOptions(ConfigModel):
-    """The options a :class:`~tierstore.tier.Tier` takes from Python, checked through this model:
-    those of a document's tier, defined by :class:`TierConfig`'s fields, and ``checksums``."""
+    """The options a [`Tier`][] takes from Python, checked through this model: those of a document's
+    tier, defined by `TierConfig`'s fields, and ``checksums``."""
 
     capacity: ByteSize | None = defined_in(TierConfig, "capacity")
     placement: PlacementPolicy = defined_in(TierConfig, "placement")
@@ -176,10 +176,9 @@ class TierOptions(ConfigModel):
 
 
 class PathOptions(ConfigModel):
-    """The options a :class:`~tierstore.tier_path.TierPath` (and its
-    :class:`~tierstore.limits.PathScheduler`) takes from Python, checked through this model and
-    defined by the document's fields: a path's limits (:class:`PathConfig`) and whether its
-    bandwidth estimate follows its traffic (a tier's ``adapt``, :class:`TierConfig`)."""
+    """The options a `TierPath` (and its `PathScheduler`) takes from Python, checked through this
+    model and defined by the document's fields: a path's limits (`PathConfig`) and whether its
+    bandwidth estimate follows its traffic (a tier's ``adapt``, `TierConfig`)."""
 
     max_reads: int = defined_in(PathConfig, "max_reads")
     max_writes: int = defined_in(PathConfig, "max_writes")
@@ -187,8 +186,8 @@ class PathOptions(ConfigModel):
 
 
 class StoreOptions(ConfigModel):
-    """Every option of a store but its tiers: the one definition of :class:`~tierstore.TierStore`'s
-    keyword arguments (see :data:`STORE_ARGUMENTS`) and of the document's keys."""
+    """Every option of a store but its tiers: the one definition of [`TierStore`][]'s keyword
+    arguments (see `STORE_ARGUMENTS`) and of the document's keys."""
 
     cache: CacheConfig = CacheConfig()
     """The DRAM cache."""
@@ -217,8 +216,8 @@ class StoreOptions(ConfigModel):
 
     @classmethod
     def from_arguments(cls, **arguments: Any) -> StoreOptions:
-        """The options from :class:`~tierstore.TierStore`'s keyword arguments (named as in
-        :data:`STORE_ARGUMENTS`), checked; a :class:`ConfigError` names the argument."""
+        """The options from [`TierStore`][]'s keyword arguments (named as in `STORE_ARGUMENTS`),
+        checked; a [`ConfigError`][] names the argument."""
         document: dict[str, Any] = {}
         for argument, (*tables, key) in STORE_ARGUMENTS.items():
             if argument in arguments:
@@ -229,7 +228,7 @@ class StoreOptions(ConfigModel):
         return check_arguments(cls, document, names={path: name for name, path in STORE_ARGUMENTS.items()})
 
     def arguments(self) -> dict[str, Any]:
-        """The options as :class:`~tierstore.TierStore`'s keyword arguments."""
+        """The options as [`TierStore`][]'s keyword arguments."""
         arguments: dict[str, Any] = {}
         for argument, path in STORE_ARGUMENTS.items():
             value: Any = self
@@ -250,8 +249,8 @@ STORE_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "verify": ("verify",),
     "memory_budget": ("memory_budget",),
 }
-"""Each keyword argument of :class:`~tierstore.TierStore` and where its option sits in the
-document (the cache's options are a table of their own there)."""
+"""Each keyword argument of [`TierStore`][] and where its option sits in the document (the cache's
+options are a table of their own there)."""
 
 
 class StoreConfig(StoreOptions):

@@ -2,7 +2,7 @@
 
 The store (``put`` of a CUDA tensor, ``get`` into one or onto a device), activation offload and
 checkpoint staging copy between host memory and GPUs through one kind of object, a
-:class:`DeviceCopies`. What it guarantees:
+[`DeviceCopies`][]. What it guarantees:
 
 **Ordering.** CUDA runs the work of one stream in order and the work of different streams in any
 order. A tensor handed over may still be written by kernels queued on the caller's current stream
@@ -10,48 +10,49 @@ order. A tensor handed over may still be written by kernels queued on the caller
 kernels queued before the call. So:
 
 * at the call, on the caller's thread, an event is recorded on its current stream
-  (:meth:`DeviceCopies.caller` returns it as a :class:`CallerStream`);
+  ([`DeviceCopies.caller`][] returns it as a [`CallerStream`][]);
 * every copy runs on the device's copy stream (one per device, made at its first copy), which first
   waits for that event: it reads or writes the caller's memory only after the work the caller
   queued before the call;
 * a copy to a device ends with an event that the caller's stream waits for: the work the caller
   queues once the copy is reported done (the store's future resolved) runs after it;
-* a copy *ahead of* a use (:meth:`DeviceCopies.fetch`: activation offload's read-ahead) fills new
+* a copy *ahead of* a use ([`DeviceCopies.fetch`][]: activation offload's read-ahead) fills new
   memory of the copy stream and waits for no other stream, whose work cannot touch memory the copy
-  stream has just allocated; the stream that uses it waits for the copy's end event only at the
-  use (:meth:`~DeviceCopies.hand_over`), which also tells the caching allocator that this stream
-  uses the memory (``record_stream``): freed, it is reused only after that stream's work.
+  stream has just allocated; the stream that uses it waits for the copy's end event only at the use
+  ([`hand_over`][tierstore.device.DeviceCopies.hand_over]), which also tells the caching allocator
+  that this stream uses the memory (``record_stream``): freed, it is reused only after that stream's
+  work.
 
 The copy stream is not the caller's, so copies overlap its kernels. The host waits only in
-:meth:`DeviceCopies.wait`, :meth:`~DeviceCopies.download`, :meth:`~DeviceCopies.upload` and
-:meth:`~DeviceCopies.close`, on the thread that calls them (a store worker, a workload's background
-thread): a stream never waits for the host.
+[`DeviceCopies.wait`][], [`download`][tierstore.device.DeviceCopies.download],
+[`upload`][tierstore.device.DeviceCopies.upload] and [`close`][tierstore.device.DeviceCopies.close],
+on the thread that calls them (a store worker, a workload's background thread): a stream never waits
+for the host.
 
-**Lifetimes.** Each copy is a :class:`Transfer`: its end event and every tensor it reads or writes
-(pinned host buffers, device temporaries, the caller's tensors), held until the event has
-completed, so that no memory is freed, reused by torch's caching allocator or returned to its pool
-while a DMA may still touch it; its ``on_end`` callbacks run then. :meth:`DeviceCopies.reap` lets
-go of the transfers that have ended without waiting (an event query); it runs at every new copy.
+**Lifetimes.** Each copy is a [`Transfer`][]: its end event and every tensor it reads or writes
+(pinned host buffers, device temporaries, the caller's tensors), held until the event has completed,
+so that no memory is freed, reused by torch's caching allocator or returned to its pool while a DMA
+may still touch it; its ``on_end`` callbacks run then. [`DeviceCopies.reap`][] lets go of the
+transfers that have ended without waiting (an event query); it runs at every new copy.
 
-**Staging.** :meth:`~DeviceCopies.download` and :meth:`~DeviceCopies.upload` move a tensor of any
-size through a few pinned pieces (:class:`PinnedPieces`, :data:`PIECE_BYTES` each, reserved from
-the store's memory ledger at its first device copy): while one piece crosses the bus the other is
-copied to or from ordinary host memory. A piece goes back to be lent again only once its copy has
-ended.
+**Staging.** [`download`][tierstore.device.DeviceCopies.download] and
+[`upload`][tierstore.device.DeviceCopies.upload] move a tensor of any size through a few pinned
+pieces ([`PinnedPieces`][], `PIECE_BYTES` each, reserved from the store's memory ledger at its first
+device copy): while one piece crosses the bus the other is copied to or from ordinary host memory. A
+piece goes back to be lent again only once its copy has ended.
 
-**Page-locked memory.** A DMA needs host memory the kernel cannot move: :mod:`.buffers` page-locks
-its maps with :func:`lock_pages` when (and only when) a workload asks for pinned memory, on the
-calling thread's current device (a device copy's thread makes the copy's device current first, so
-no other device's context is ever made), and never touches CUDA otherwise. A failed page-lock is a
-:class:`~tierstore.errors.PinnedMemoryError` naming the size and the limits (``ulimit -l``,
-``vm.max_map_count``), and it leaves no CUDA error behind for torch's next kernel launch to report.
-Each pinned map is unlocked exactly once (a finalizer, whatever the order of release) and is not
-inherited by a forked child (``MADV_DONTFORK``), so a fork (DataLoader workers) cannot move a page
-under a DMA.
+**Page-locked memory.** A DMA needs host memory the kernel cannot move: `buffers` page-locks its
+maps with [`lock_pages`][] when (and only when) a workload asks for pinned memory, on the calling
+thread's current device (a device copy's thread makes the copy's device current first, so no other
+device's context is ever made), and never touches CUDA otherwise. A failed page-lock is a
+[`PinnedMemoryError`][] naming the size and the limits (``ulimit -l``, ``vm.max_map_count``), and it
+leaves no CUDA error behind for torch's next kernel launch to report. Each pinned map is unlocked
+exactly once (a finalizer, whatever the order of release) and is not inherited by a forked child
+(``MADV_DONTFORK``), so a fork (DataLoader workers) cannot move a page under a DMA.
 
-The device runtime is a small protocol, :class:`DeviceRuntime`: CUDA's through torch
-(:class:`CudaRuntime`, the default), or a simulation whose copies complete only when a test says
-so (:class:`tierstore.testing.device.SimulatedDevice`).
+The device runtime is a small protocol, [`DeviceRuntime`][]: CUDA's through torch
+([`CudaRuntime`][], the default), or a simulation whose copies complete only when a test says so
+([`tierstore.testing.device.SimulatedDevice`][]).
 """
 
 from __future__ import annotations
@@ -147,9 +148,9 @@ class DeviceCopies:
 
     Args:
         runtime: the device runtime; default CUDA's.
-        staging: makes the pinned memory that :meth:`download` and :meth:`upload` stage through,
-            from its size in bytes and the runtime that page-locks it: called at the first of them
-            (with its device current); None for a user that copies only between memory it has.
+        staging: makes the pinned memory that [`download`][] and [`upload`][] stage through, from
+            its size in bytes and the runtime that page-locks it: called at the first of them (with
+            its device current); None for a user that copies only between memory it has.
     """
 
     def __init__(
@@ -167,7 +168,7 @@ class DeviceCopies:
 
     # -- at the call, on the caller's thread ---------------------------------------------------------
     def caller_of(self, tensor: torch.Tensor) -> CallerStream | None:
-        """:meth:`caller` on the device holding ``tensor``; None for a tensor in host memory."""
+        """[`caller`][] on the device holding ``tensor``; None for a tensor in host memory."""
         device = self.runtime.device_of(tensor)
         return None if device is None else self.caller(device)
 
@@ -193,7 +194,7 @@ class DeviceCopies:
         Args:
             shape: its shape.
             dtype: its dtype.
-            caller: from :meth:`caller`.
+            caller: from [`caller`][].
 
         Returns:
             An uninitialised tensor on ``caller.device``.
@@ -218,10 +219,9 @@ class DeviceCopies:
         Args:
             destination: where the bytes go (host or device memory, any strides).
             source: where they come from.
-            caller: from :meth:`caller`, at the call this copy serves.
+            caller: from [`caller`][], at the call this copy serves.
             hold: more objects to keep alive until the copy has ended.
-            on_end: called once the copy has ended (by :meth:`reap`, :meth:`wait` or
-                :meth:`close`).
+            on_end: called once the copy has ended (by [`reap`][], [`wait`][] or [`close`][]).
             timed: take the copy's duration on the device's clock (``Transfer.seconds``), for a
                 workload that measures the bus.
 
@@ -247,14 +247,14 @@ class DeviceCopies:
     ) -> tuple[torch.Tensor, Transfer]:
         """Copy host memory into new device memory ahead of its use: memory of the copy stream,
         filled there at once, after no work of any other stream (no other stream's work can touch
-        memory the copy stream has just allocated). Returns at once; give the tensor to the
-        stream that uses it with :meth:`hand_over`.
+        memory the copy stream has just allocated). Returns at once; give the tensor to the stream
+        that uses it with [`hand_over`][].
 
         Args:
             source: host memory (pinned, for the copy to run asynchronously).
             device: where the copy goes.
-            on_end: called once the copy has ended, as for :meth:`copy`.
-            timed: as for :meth:`copy`.
+            on_end: called once the copy has ended, as for [`copy`][].
+            timed: as for [`copy`][].
 
         Returns:
             The new device tensor (``source``'s shape and dtype) and the transfer, which holds
@@ -271,12 +271,12 @@ class DeviceCopies:
         return destination, transfer
 
     def hand_over(self, tensor: torch.Tensor, transfer: Transfer, device: torch.device) -> None:
-        """Give a tensor of :meth:`fetch` to the calling thread's current stream: that stream's
-        work queued from now on runs after the copy, and the caching allocator reuses the
-        tensor's memory, once it is freed, only after that work.
+        """Give a tensor of [`fetch`][] to the calling thread's current stream: that stream's work
+        queued from now on runs after the copy, and the caching allocator reuses the tensor's
+        memory, once it is freed, only after that work.
 
         Args:
-            tensor: from :meth:`fetch` (or a view of it).
+            tensor: from [`fetch`][] (or a view of it).
             transfer: the copy that fills it.
             device: its device.
         """
@@ -309,14 +309,14 @@ class DeviceCopies:
         *,
         on_end: Callable[[], None] | None = None,
     ) -> Transfer:
-        """:meth:`copy` into device memory that the caller's stream then waits for: its work queued
+        """[`copy`][] into device memory that the caller's stream then waits for: its work queued
         from now on runs after the copy.
 
         Args:
             destination: device memory.
             source: host (or device) memory.
-            caller: from :meth:`caller`; its stream waits for the copy's end.
-            on_end: as for :meth:`copy`.
+            caller: from [`caller`][]; its stream waits for the copy's end.
+            on_end: as for [`copy`][].
 
         Returns:
             The transfer.
@@ -342,7 +342,7 @@ class DeviceCopies:
         """Wait on this thread until ``transfer`` has ended, and let go of the transfers that have.
 
         Args:
-            transfer: from :meth:`copy` or :meth:`to_device`.
+            transfer: from [`copy`][] or [`to_device`][].
         """
         self.runtime.synchronize(transfer.end)
         self.reap()
@@ -371,8 +371,8 @@ class DeviceCopies:
         Args:
             source: device memory of any strides; conjugate and negative views give their values.
             into: host memory of the tensor's size: its values laid out contiguous.
-            caller: from :meth:`caller` at the call: the copies read ``source`` after the work
-                the caller queued before it.
+            caller: from [`caller`][] at the call: the copies read ``source`` after the work the
+                caller queued before it.
         """
         nbytes = into.nbytes
         if nbytes == 0:
@@ -405,8 +405,8 @@ class DeviceCopies:
             source: host memory: the tensor's values laid out contiguous.
             destination: device memory of any strides (a conjugate or negative view gets the
                 values).
-            caller: from :meth:`caller` at the call: the copies write ``destination`` after the
-                work the caller queued before it, and the caller's stream waits for their end.
+            caller: from [`caller`][] at the call: the copies write ``destination`` after the work
+                the caller queued before it, and the caller's stream waits for their end.
         """
         nbytes = source.nbytes
         if nbytes == 0:
@@ -487,7 +487,7 @@ class PinnedPieces:
 
     Args:
         staging: pinned memory for ``staging.capacity // piece_bytes`` pieces (its budget reserved
-            from the store's ledger); taken whole at once, and closed by :meth:`close`.
+            from the store's ledger); taken whole at once, and closed by [`close`][].
         piece_bytes: the size of each piece.
 
     Raises:

@@ -1,15 +1,14 @@
 """The device runtime the device layer runs on, and page-locked host memory.
 
-:class:`DeviceRuntime` is what the device layer (:mod:`tierstore.device`) and the pinned buffers
-(:mod:`tierstore.buffers`) need of a device: streams, events, copies, kernels launched on a
-stream, and page-locking host memory. :class:`CudaRuntime` is CUDA's through torch (:data:`CUDA`,
-the default); a test's simulated device (:class:`tierstore.testing.device.SimulatedDevice`)
-completes its copies only when the test says so.
+[`DeviceRuntime`][] is what the device layer (`tierstore.device`) and the pinned buffers
+(`tierstore.buffers`) need of a device: streams, events, copies, kernels launched on a stream, and
+page-locking host memory. [`CudaRuntime`][] is CUDA's through torch (`CUDA`, the default); a test's
+simulated device ([`tierstore.testing.device.SimulatedDevice`][]) completes its copies only when the
+test says so.
 
-:func:`lock_pages` page-locks host memory for copies to the calling thread's current device; a
-failure is a :class:`~tierstore.errors.PinnedMemoryError` naming the size and the limits (``ulimit
--l``, ``vm.max_map_count``), and leaves no CUDA error behind for torch's next kernel launch to
-report.
+[`lock_pages`][] page-locks host memory for copies to the calling thread's current device; a failure
+is a [`PinnedMemoryError`][] naming the size and the limits (``ulimit -l``, ``vm.max_map_count``),
+and leaves no CUDA error behind for torch's next kernel launch to report.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from .errors import PinnedMemoryError
 
 
 class DeviceRuntime(Protocol):
-    """What :class:`DeviceCopies` needs of a device runtime. Streams and events are the runtime's
-    own opaque handles."""
+    """What [`DeviceCopies`][tierstore.device.DeviceCopies] needs of a device runtime. Streams and
+    events are the runtime's own opaque handles."""
 
     def device_of(self, tensor: torch.Tensor) -> torch.device | None:
         """The device holding ``tensor``'s memory, or None for host memory."""
@@ -59,11 +58,11 @@ class DeviceRuntime(Protocol):
         """An event recorded on ``stream``: it completes once the work queued there so far has."""
 
     def record_timed(self, stream: object) -> object:
-        """:meth:`record`, of an event that also takes the time it completes at (for
-        :meth:`elapsed`)."""
+        """[`record`][], of an event that also takes the time it completes at (for
+        [`elapsed`][])."""
 
     def elapsed(self, start: object, end: object) -> float:
-        """Seconds between two completed events of :meth:`record_timed` (on the device's clock)."""
+        """Seconds between two completed events of [`record_timed`][] (on the device's clock)."""
 
     def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
         """Tell the caching allocator that work queued on ``stream`` uses ``tensor``'s memory,
@@ -94,15 +93,15 @@ class DeviceRuntime(Protocol):
         device; None, or why it failed (which leaves the runtime's last error set)."""
 
     def unregister(self, address: int) -> None:
-        """Undo :meth:`register` of the memory at ``address``."""
+        """Undo [`register`][] of the memory at ``address``."""
 
     def clear_error(self) -> None:
         """Reset the runtime's last error on the calling thread."""
 
 
 class CudaRuntime:
-    """CUDA through torch (:class:`DeviceRuntime`). Nothing here runs, or initialises CUDA, until
-    a method is called."""
+    """CUDA through torch ([`DeviceRuntime`][]). Nothing here runs, or initialises CUDA, until a
+    method is called."""
 
     def __init__(self) -> None:
         self._registered: dict[int, int] = {}
@@ -225,7 +224,8 @@ def cudart_path(maps: str) -> str | None:
 
 
 CUDA = CudaRuntime()
-"""The runtime of every :class:`DeviceCopies` and pinned pool not given another."""
+"""The runtime of every [`DeviceCopies`][tierstore.device.DeviceCopies] and pinned pool not given
+another."""
 
 
 def memory_limits() -> str:
@@ -266,8 +266,8 @@ def lock_pages(runtime: DeviceRuntime, address: int, nbytes: int) -> None:
 
 
 def unlock_pages(runtime: DeviceRuntime, address: int, locked_by: int) -> None:
-    """Undo :func:`lock_pages` (a finalizer's callback): only in the process that locked the
-    memory (``locked_by``, its pid), since a forked child neither inherits the lock nor, with
+    """Undo [`lock_pages`][] (a finalizer's callback): only in the process that locked the memory
+    (``locked_by``, its pid), since a forked child neither inherits the lock nor, with
     ``MADV_DONTFORK``, the memory."""
     if os.getpid() == locked_by:
         runtime.unregister(address)

@@ -8,7 +8,7 @@ from .errors import BufferMismatchError, TierStoreError
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The name :func:`dtype_from_name` reads back."""
+    """The name `dtype_from_name` reads back."""
     return str(dtype).removeprefix("torch.")
 
 

@@ -1,8 +1,8 @@
 """Typed exceptions raised by tierstore.
 
-Every error the library raises on purpose derives from :class:`TierStoreError`, and each also
-derives from the builtin a caller would naturally catch (``KeyError``, ``ValueError``,
-``OSError``...), so ``except KeyError`` keeps working for code that does not know tierstore.
+Every error the library raises on purpose derives from [`TierStoreError`][], and each also derives
+from the builtin a caller would naturally catch (``KeyError``, ``ValueError``, ``OSError``...), so
+``except KeyError`` keeps working for code that does not know tierstore.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def validation_problems(error: Exception, where: str) -> str:
 
 
 def config_error_from_validation(error: Exception, where: str) -> ConfigError:
-    """Turn a pydantic ``ValidationError`` into a :class:`ConfigError` naming each bad field."""
+    """Turn a pydantic ``ValidationError`` into a [`ConfigError`][] naming each bad field."""
     return ConfigError("invalid configuration: " + validation_problems(error, where))
 
 

@@ -1,11 +1,11 @@
 """Concurrency control for a path: in-flight limits per direction, priorities, node-wide slots.
 
 MLP-Offload found that offloading concurrently amplifies I/O bottlenecks (its own control was one
-reader and one writer at a time on the parallel file system). A :class:`PathScheduler` runs every
-request of one path: at most ``max_reads`` reads and ``max_writes`` writes in flight, the most
-urgent request first (a read on the critical path before a prefetch, a prefetch before a
-background write-back, which also waits while anything more urgent is queued), and, for a path
-shared by several processes on a node, a :class:`NodeLimiter` slot per request.
+reader and one writer at a time on the parallel file system). A `PathScheduler` runs every request
+of one path: at most ``max_reads`` reads and ``max_writes`` writes in flight, the most urgent
+request first (a read on the critical path before a prefetch, a prefetch before a background
+write-back, which also waits while anything more urgent is queued), and, for a path shared by
+several processes on a node, a `NodeLimiter` slot per request.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ class PathScheduler:
             by default.
 
     Raises:
-        ConfigError: ``max_reads`` or ``max_writes`` outside their definition
-            (:class:`~tierstore.config.PathOptions`), named as in ``"path 'p': max_reads: must be
+        ConfigError: ``max_reads`` or ``max_writes`` outside their definition (`PathOptions`), named
+            as in ``"path 'p': max_reads: must be
             ..., not ..."``.
     """
 

@@ -4,16 +4,15 @@ A manifest is a directory holding
 
 * ``manifest.json``: a full snapshot of the catalogue (written to a temporary file, fsynced,
   renamed over the old one, directory fsynced: it is either the old or the new snapshot);
-* ``journal.jsonl``: one JSON line per change since that snapshot, each appended and fsynced
-  before the change is acknowledged. A crash can tear only the last line, which replay ignores
-  and the next open cuts off before it appends; an append that fails (a full disk) is cut back at
-  once. Every line is checked at replay (:class:`~tierstore.errors.ManifestError` names one that
-  is not a record). Every :data:`COMPACT_AFTER` lines the journal is folded into a new snapshot
-  and truncated; a crash between the two steps replays the old journal over the new snapshot,
-  which already holds its changes, and ends in the same state; where the snapshot cannot be
-  written the journal simply grows;
-* ``lock``: an exclusive ``filelock`` held while a store has the manifest open, so a second
-  process gets :class:`~tierstore.errors.StoreLockedError` instead of a silently forked catalogue.
+* ``journal.jsonl``: one JSON line per change since that snapshot, each appended and fsynced before
+  the change is acknowledged. A crash can tear only the last line, which replay ignores and the next
+  open cuts off before it appends; an append that fails (a full disk) is cut back at once. Every
+  line is checked at replay ([`ManifestError`][] names one that is not a record). Every
+  `COMPACT_AFTER` lines the journal is folded into a new snapshot and truncated; a crash between the
+  two steps replays the old journal over the new snapshot, which already holds its changes, and ends
+  in the same state; where the snapshot cannot be written the journal simply grows;
+* ``lock``: an exclusive ``filelock`` held while a store has the manifest open, so a second process
+  gets [`StoreLockedError`][] instead of a silently forked catalogue.
 
 A reader (``Manifest(directory, read_only=True)``, behind ``TierStore(..., read_only=True)``) takes
 no lock, so it opens a manifest that a writer in this or another process has open. It replays the
@@ -22,11 +21,10 @@ ignored, not cut off; no token is journaled; nothing is compacted or created. It
 with a writer compacting meanwhile by reading twice: it notes the snapshot's identity (inode, size,
 modification and change times), reads the snapshot, then the journal, reads the journal's whole
 lines again, and notes the snapshot's identity once more. A compaction renames its snapshot into
-place before it truncates the journal, and journals nothing in between, so if the identity did
-not change and the journal's lines read are still its first lines, the journal read belongs to the
+place before it truncates the journal, and journals nothing in between, so if the identity did not
+change and the journal's lines read are still its first lines, the journal read belongs to the
 snapshot read (a journal truncated under the reader, whose first read kept only the lines of an
-older snapshot, fails the second check); otherwise it replays again, up to :data:`READ_ATTEMPTS`
-times.
+older snapshot, fails the second check); otherwise it replays again, up to `READ_ATTEMPTS` times.
 
 Plain JSON only (never pickle); files and the directory are owner-only. A put commits by writing
 its data under a fresh backend name first and journaling the new entry after, so a crash at any
@@ -66,8 +64,8 @@ COMPACT_AFTER = 10_000
 """Journal lines after which the manifest compacts itself, so a long-running store's journal (and
 the replay at the next open) stays bounded."""
 READ_ATTEMPTS = 16
-"""How many times a read-only open replays the manifest while a writer keeps compacting it under
-the reader, before it gives up with a :class:`~tierstore.errors.ManifestError`."""
+"""How many times a read-only open replays the manifest while a writer keeps compacting it under the
+reader, before it gives up with a [`ManifestError`][]."""
 SNAPSHOT = "manifest.json"
 JOURNAL = "journal.jsonl"
 _log = logging.getLogger("tierstore")
@@ -78,9 +76,9 @@ class Manifest:
     (``tokens``) this store has ever written under, so garbage from torn puts can be found.
 
     Opening for writing takes the lock, replays the snapshot and the journal, cuts off a torn last
-    line, and journals a new session token (:attr:`token`) that names this session's backend
-    objects. Opening read-only takes no lock and writes nothing (see the module docstring): it is
-    the catalogue as of the open, and every change is refused.
+    line, and journals a new session token (`token`) that names this session's backend objects.
+    Opening read-only takes no lock and writes nothing (see the module docstring): it is the
+    catalogue as of the open, and every change is refused.
 
     Args:
         directory: the manifest's directory; created owner-only if missing (for writing).
@@ -90,9 +88,8 @@ class Manifest:
     Raises:
         StoreLockedError: (for writing) another process or store has the manifest open.
         ManifestError: the snapshot or a journal line is not what a store wrote (named), or the
-            snapshot is of another format than :data:`FORMAT`; read-only: there is no manifest
-            at ``directory``, or a writer compacted it under every one of :data:`READ_ATTEMPTS`
-            replays.
+            snapshot is of another format than `FORMAT`; read-only: there is no manifest at
+            ``directory``, or a writer compacted it under every one of `READ_ATTEMPTS` replays.
         BackendIOError: the directory cannot be created (a file stands in its way), read or
             written.
     """
@@ -149,7 +146,7 @@ class Manifest:
         of small objects): a crash may keep any prefix of them, each one whole.
 
         Args:
-            entries: key -> its entry (JSON-ready: :func:`tierstore.catalog._manifest_entry`).
+            entries: key -> its entry (JSON-ready: `tierstore.catalog._manifest_entry`).
 
         Raises:
             BackendIOError: the journal cannot be appended to (a full disk); none of the entries
@@ -239,8 +236,8 @@ class Manifest:
 
     def _write(self, records: list[Mapping[str, Any]]) -> None:
         """Append ``records``, a line each, and sync them. If that fails (a full disk), the journal
-        is cut back to where it was, so that no part of a line is left for the next append to
-        follow (the two would make one damaged line), and a :class:`BackendIOError` names it."""
+        is cut back to where it was, so that no part of a line is left for the next append to follow
+        (the two would make one damaged line), and a [`BackendIOError`][] names it."""
         text = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records).encode()
         end = os.fstat(self._journal).st_size
         try:
@@ -287,7 +284,7 @@ def _replay(directory: Path, *, attempts: int, must_exist: bool) -> _Replayed:
         directory: the manifest's directory.
         attempts: how many replays to try (1 where the caller holds the lock: nothing else
             changes the files).
-        must_exist: a directory without a manifest is a :class:`ManifestError` (read-only opens),
+        must_exist: a directory without a manifest is a [`ManifestError`][] (read-only opens),
             rather than an empty catalogue (a new store).
     """
     snapshot_path, journal_path = directory / SNAPSHOT, directory / JOURNAL
@@ -340,9 +337,9 @@ def _parse_snapshot(path: Path, snapshot: bytes | None) -> tuple[dict[str, dict[
 
 
 def _parse_journal(path: Path, lines: bytes) -> list[dict[str, Any]]:
-    """The records of the journal's whole ``lines`` read from ``path``, each checked (the torn
-    tail of a crashed append, never acknowledged, is not among them). A line that is not a record
-    (damaged, or missing a field an entry needs) raises :class:`ManifestError` naming it, not a
+    """The records of the journal's whole ``lines`` read from ``path``, each checked (the torn tail
+    of a crashed append, never acknowledged, is not among them). A line that is not a record
+    (damaged, or missing a field an entry needs) raises [`ManifestError`][] naming it, not a
     ``KeyError`` later."""
     records: list[dict[str, Any]] = []
     for number, line in enumerate(lines.split(b"\n")[:-1], start=1):
@@ -390,7 +387,7 @@ class _PackMember(TypedDict):
 
 
 class _Entry(TypedDict):
-    """One key's entry (:func:`tierstore.catalog._manifest_entry` writes them)."""
+    """One key's entry (`tierstore.catalog._manifest_entry` writes them)."""
 
     shape: list[NonNegativeInt]
     dtype: str
@@ -431,7 +428,7 @@ _SNAPSHOT = TypeAdapter(_Snapshot)
 
 def _validated(adapter: TypeAdapter[Any], document: Any, where: str) -> Any:
     """``document`` if ``adapter`` accepts it as is (JSON types, no coercion), else a
-    :class:`ManifestError` naming ``where`` and each bad field."""
+    [`ManifestError`][] naming ``where`` and each bad field."""
     try:
         adapter.validate_python(document, strict=True)
     except ValidationError as error:
@@ -446,7 +443,7 @@ def token_of(name: str) -> str:
 
 def _open_journal(path: Path, *, truncate: bool) -> int:
     """A file descriptor of the journal for appending (unbuffered: an append is on disk, or cut
-    back, when :meth:`Manifest._write` returns), created owner-only."""
+    back, when `Manifest._write` returns), created owner-only."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
     return os.open(path, flags, 0o600)
 

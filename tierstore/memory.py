@@ -42,16 +42,16 @@ class MemoryLedger:
         self._lock = threading.Lock()
 
     def reserve(self, owner: str, nbytes: int, *, replacing: Reservation | None = None) -> Reservation:
-        """Hold memory for an owner until :meth:`release`.
+        """Hold memory for an owner until `release`.
 
         Args:
-            owner: who holds it, as :meth:`held` reports it.
+            owner: who holds it, as `held` reports it.
             nbytes: the bytes to hold.
             replacing: a reservation given back in the same step (a workload changing its budget
                 needs room for the difference only); it is kept if the new one does not fit.
 
         Returns:
-            The reservation, to give to :meth:`release`.
+            The reservation, to give to `release`.
 
         Raises:
             CapacityError: ``nbytes`` is negative, or does not fit beside what the others hold
@@ -77,7 +77,7 @@ class MemoryLedger:
         """Give a reservation back (one already given back is ignored).
 
         Args:
-            reservation: what :meth:`reserve` returned.
+            reservation: what `reserve` returned.
         """
         with self._lock:
             self._held.discard(reservation)

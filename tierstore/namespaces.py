@@ -3,10 +3,10 @@
 Every workload on a store (an offloaded optimizer, an activation offloader, a checkpoint writer)
 writes its objects under a key prefix of its own, its *namespace*: ``"<namespace>/<name>"``. Two
 workloads writing the same prefix would overwrite each other's objects without any error, so a
-workload claims its namespace on the store (:meth:`Namespaces.claim`) before its first write, and
-a second claim of that namespace, or of one nested in it (``"a"`` and ``"a/b"`` share keys), is
-refused with :class:`NamespaceInUseError` naming both owners. A claim lasts until its owner
-releases it (closing, or being garbage collected).
+workload claims its namespace on the store (`Namespaces.claim`) before its first write, and a second
+claim of that namespace, or of one nested in it (``"a"`` and ``"a/b"`` share keys), is refused with
+[`NamespaceInUseError`][] naming both owners. A claim lasts until its owner releases it (closing, or
+being garbage collected).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ MAX_KEY_LENGTH = 1024
 
 
 def check_key(key: object, what: str = "keys") -> str:
-    """Return ``key`` if it is a valid key; raise :class:`InvalidKeyError` otherwise.
+    """Return ``key`` if it is a valid key; raise [`InvalidKeyError`][] otherwise.
 
-    Keys never become file names (backend names are generated), but they travel into manifests
-    and snapshots, so anything path-like that could escape a root is refused anyway: a key is a
-    non-empty string of at most :data:`MAX_KEY_LENGTH` characters, without control characters
-    (Unicode category Cc: NUL to US, DEL, and C1 controls such as NEL), a leading ``/`` or a
-    ``..`` segment. ``what`` names the thing checked in the message (``"keys"``, ``"namespaces"``).
+    Keys never become file names (backend names are generated), but they travel into manifests and
+    snapshots, so anything path-like that could escape a root is refused anyway: a key is a
+    non-empty string of at most `MAX_KEY_LENGTH` characters, without control characters (Unicode
+    category Cc: NUL to US, DEL, and C1 controls such as NEL), a leading ``/`` or a ``..`` segment.
+    ``what`` names the thing checked in the message (``"keys"``, ``"namespaces"``).
     """
     if (
         not isinstance(key, str)
@@ -68,9 +68,9 @@ class Namespaces:
     def claim(self, namespace: str, owner: str) -> NamespaceClaim:
         """Claim ``namespace`` for ``owner``.
 
-        Raises :class:`InvalidKeyError` for a namespace that is not a valid key (or ends with
-        ``/``), and :class:`NamespaceInUseError` if it, a namespace inside it or one containing it
-        is claimed already.
+        Raises [`InvalidKeyError`][] for a namespace that is not a valid key (or ends with ``/``),
+        and [`NamespaceInUseError`][] if it, a namespace inside it or one containing it is claimed
+        already.
         """
         _check_namespace(namespace)
         with self._lock:

@@ -2,11 +2,10 @@
 issued on that key before it (put, get, prefetch, delete and the commit of a copy), the parts they
 run on, and the checks of what a store is opened with and of the tensors it takes.
 
-:class:`~tierstore.store.TierStore` checks the arguments, orders the operations per key and routes
-each one to its :class:`StoreOperations`, which opens, reports on and closes the parts: the tier
-chain (:mod:`.chain`: where the bytes go, verified reads), the commit protocol (:mod:`.catalog`),
-for a store with a cache the write-back cache (:mod:`.cache`), and the device copies
-(:mod:`.device`).
+[`TierStore`][] checks the arguments, orders the operations per key and routes each one to its
+`StoreOperations`, which opens, reports on and closes the parts: the tier chain (`chain`: where the
+bytes go, verified reads), the commit protocol (`catalog`), for a store with a cache the write-back
+cache (`cache`), and the device copies (`device`).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from .tier import Placement, Tier
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """What the store knows about one object (a snapshot; see :meth:`TierStore.info`)."""
+    """What the store knows about one object (a snapshot; see [`TierStore.info`][])."""
 
     key: str
     shape: tuple[int, ...]
@@ -95,17 +94,17 @@ class StoreOperations:
             # recognised as garbage; a scratch store's only keeps concurrent stores apart.
             token = secrets.token_hex(4) if opened is None else opened.token
             self.chain = TierChain(tiers, token=token, verify=verify)
-            """Where every version's bytes go past the cache (:mod:`.chain`)."""
+            """Where every version's bytes go past the cache (`chain`)."""
             if opened is None:  # a crash must not leave a scratch store's objects behind
                 self.chain.claim_scratch()
             self.catalog = Catalog(self.chain, opened)
-            """The current version of each key, committed through the manifest (:mod:`.catalog`)."""
+            """The current version of each key, committed through the manifest (`catalog`)."""
         except BaseException:
             if opened is not None:
                 opened.close()
             raise
         self.cache: WriteBackCache | None = None
-        """The write-back cache (:mod:`.cache`); None for a store without one."""
+        """The write-back cache (`cache`); None for a store without one."""
         if cache_budget == 0:
             memory.reserve("cache", 0)  # the ledger still lists the cache's share: none
         else:
@@ -117,7 +116,7 @@ class StoreOperations:
                 pack_below=pack_below,
             )
         self.device = DeviceCopies(staging=self._device_staging)
-        """Copies to and from devices (:mod:`.device`); nothing of it is made before the first."""
+        """Copies to and from devices (`device`); nothing of it is made before the first."""
 
     def put(
         self,
@@ -192,8 +191,8 @@ class StoreOperations:
                 cache.unpin(entry)
 
     def prefetch(self, key: str) -> None:
-        """Load ``key``'s current version into the cache (:class:`CapacityError` where it cannot
-        hold it)."""
+        """Load ``key``'s current version into the cache ([`CapacityError`][] where it cannot hold
+        it)."""
         cache = self.cache
         if cache is not None and cache.touch(key):
             return
@@ -214,9 +213,9 @@ class StoreOperations:
 
     def copy_in(self, key: str, destination: StoreOperations) -> Record | None:
         """A record for ``key``'s current version copied onto ``destination``'s first tier without
-        its bytes passing through this process (:meth:`~tierstore.chain.TierChain.copy_in`), to be
-        committed there with :meth:`commit`; None where that cannot be done (the version is only
-        in the cache, or the backends cannot copy that way), copying nothing."""
+        its bytes passing through this process (`copy_in`), to be committed there with `commit`;
+        None where that cannot be done (the version is only in the cache, or the backends cannot
+        copy that way), copying nothing."""
         dirty = self.cache is not None and self.cache.state(key)[1]
         record = self.catalog.record(key)  # a copy clean above has its placement set already
         persisted = None if dirty else record.persisted
@@ -250,7 +249,7 @@ class StoreOperations:
         return None if target.type == "cpu" else self.device.caller(target)
 
     def info(self, key: str) -> ObjectInfo:
-        """What the store knows about ``key`` now (:class:`KeyNotFoundError` if nothing)."""
+        """What the store knows about ``key`` now ([`KeyNotFoundError`][] if nothing)."""
         cached, dirty = (False, False) if self.cache is None else self.cache.state(key)
         record = self.catalog.record(key)
         persisted = record.persisted
@@ -267,7 +266,7 @@ class StoreOperations:
         )
 
     def stats(self) -> dict[str, Any]:
-        """The store's counters and byte figures (see :meth:`TierStore.stats`)."""
+        """The store's counters and byte figures (see [`TierStore.stats`][])."""
         return {
             **(_NO_CACHE_STATS if self.cache is None else self.cache.stats()),
             "memory": {"budget_bytes": self.memory.capacity, "reserved_bytes": self.memory.held()},
@@ -299,8 +298,8 @@ class StoreOperations:
         return error
 
     def _device_staging(self, nbytes: int, runtime: DeviceRuntime) -> StagingArea:
-        """The pinned pieces that device copies are staged through, reserved from the ledger at
-        the first device copy (see :class:`~tierstore.device.DeviceCopies`)."""
+        """The pinned pieces that device copies are staged through, reserved from the ledger at the
+        first device copy (see [`DeviceCopies`][])."""
         return StagingArea(self.memory, "device copies", nbytes, pin=True, runtime=runtime)
 
     def _read(self, key: str, record: Record, out: memoryview) -> None:
@@ -407,7 +406,7 @@ def check_out(key: str, record: Record, out: torch.Tensor) -> None:
 
 def check_tiers(tiers: object) -> None:
     """Refuse a ``tiers`` argument that is not a non-empty list of tiers or backends (the store's
-    other arguments are options, checked by :class:`~tierstore.config.StoreOptions`)."""
+    other arguments are options, checked by `StoreOptions`)."""
     if isinstance(tiers, (str, Tier, Backend)) or not isinstance(tiers, Sequence) or not tiers:
         raise ConfigError(
             f"tiers: a TierStore needs a non-empty list of Tier or Backend objects (open 'dram://' for a "
@@ -422,9 +421,8 @@ def check_tiers(tiers: object) -> None:
 
 
 def check_read_only(read_only: object, manifest: object) -> None:
-    """Refuse a ``read_only`` that is not a bool, or that asks for a read-only scratch store
-    (beside :class:`~tierstore.config.StoreOptions`: how a store is opened, not an option of the
-    store a config document holds)."""
+    """Refuse a ``read_only`` that is not a bool, or that asks for a read-only scratch store (beside
+    `StoreOptions`: how a store is opened, not an option of the store a config document holds)."""
     if not isinstance(read_only, bool):
         raise ConfigError(f"read_only: must be True or False, not {read_only!r}")
     if read_only and manifest is None:

@@ -6,11 +6,10 @@ alternating order (forward, then reverse), the objects at the end of one pass ar
 next, so an object kept in DRAM saves both its write now and its read next pass.
 
 The model predicts a pass's time from the paths' bandwidths (striped tier: every path serves its
-share of the reads and the writes, by the tier's own :func:`~tierstore.bandwidth.stripe_weight`,
-and the slowest path sets the time), and chooses which objects to keep cached: walking back from
-the end of the pass, every object that still fits beside the working set. That is never worse than
-MLP-Offload's static choice (the last K objects that fit), since it takes those and then any
-smaller ones further back.
+share of the reads and the writes, by the tier's own `stripe_weight`, and the slowest path sets the
+time), and chooses which objects to keep cached: walking back from the end of the pass, every object
+that still fits beside the working set. That is never worse than MLP-Offload's static choice (the
+last K objects that fit), since it takes those and then any smaller ones further back.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from .store import TierStore
 
 def stripe_weights(paths: Sequence[PathSpeed], stripe_by: StripeBy = "round-trip") -> list[float]:
     """Each path's share of a striped object, as a tier striping by ``stripe_by`` gives it
-    (:func:`~tierstore.bandwidth.stripe_weight`): by default, shares that make one write plus one
-    read of a stripe take equal time on every path.
+    (`stripe_weight`): by default, shares that make one write plus one read of a stripe take equal
+    time on every path.
 
     Raises:
         ConfigError: no paths, or a path without positive read and write bandwidth.
@@ -62,12 +61,12 @@ class TierSpeeds:
 
 def placement_speeds(store: TierStore) -> TierSpeeds:
     """The speeds a workload plans its I/O with: those of the store's first tier, where its objects
-    are placed, from :meth:`TierStore.bandwidths` (measured online, else as configured or probed;
-    a path without an estimate yet is left out), with the tier's striping.
+    are placed, from [`TierStore.bandwidths`][] (measured online, else as configured or probed; a
+    path without an estimate yet is left out), with the tier's striping.
 
-    Raises :class:`BandwidthUnknownError` while no path of the tier has an estimate, rather than
-    plan with made-up speeds: a plan that depends on them waits for the store to measure some
-    traffic (or configure the paths' ``bandwidth``, or set ``probe = true``, to plan at once)."""
+    Raises [`BandwidthUnknownError`][] while no path of the tier has an estimate, rather than plan
+    with made-up speeds: a plan that depends on them waits for the store to measure some traffic (or
+    configure the paths' ``bandwidth``, or set ``probe = true``, to plan at once)."""
     tier, speeds = next(iter(store.bandwidths().items()), ("", []))
     if not speeds:
         raise BandwidthUnknownError(
@@ -109,8 +108,7 @@ def plan_pass(
 
     ``working_bytes`` is DRAM the pass itself needs (the object being updated and those being
     prefetched or written back); by default two of the largest objects. ``compute_seconds`` is the
-    update's own time, overlapped with I/O. ``stripe_by`` is the tier's (see
-    :func:`stripe_weights`).
+    update's own time, overlapped with I/O. ``stripe_by`` is the tier's (see `stripe_weights`).
     """
     order = list(range(len(sizes))) if order is None else list(order)
     if sorted(order) != list(range(len(sizes))):
@@ -172,8 +170,8 @@ def keep_from_end(sizes: Sequence[int], room: int, order: Sequence[int]) -> list
 
 
 def last_that_fit(sizes: Sequence[int], room: int, order: Sequence[int]) -> list[int]:
-    """MLP-Offload's static choice, as :func:`keep_from_end` takes its arguments: the objects from
-    the end of the pass back to the first that does not fit (sorted indices)."""
+    """MLP-Offload's static choice, as `keep_from_end` takes its arguments: the objects from the end
+    of the pass back to the first that does not fit (sorted indices)."""
     keep: list[int] = []
     kept = 0
     for index in reversed(order):

@@ -1,8 +1,8 @@
 """A store's objects as one portable HDF5 file, and back into a store with any backends.
 
-:func:`write_snapshot` and :func:`open_snapshot` are the format's one writer and reader, over any
-named tensors (the DeepSpeed integration's checkpoint of sub-group states uses them directly);
-:func:`export_hdf5` and :func:`import_hdf5` apply them to a store.
+`write_snapshot` and `open_snapshot` are the format's one writer and reader, over any named tensors
+(the DeepSpeed integration's checkpoint of sub-group states uses them directly); [`export_hdf5`][]
+and [`import_hdf5`][] apply them to a store.
 
 Layout: one dataset per object under ``/objects``, named by position (``000000``...), holding the
 object's raw bytes as ``uint8`` (so every torch dtype, bfloat16 included, survives exactly), with
@@ -67,7 +67,7 @@ def write_snapshot(
 
 class Snapshot:
     """An open snapshot: its ``metadata`` and its named tensors, read one at a time. Made by
-    :func:`open_snapshot`, which checks the header first.
+    `open_snapshot`, which checks the header first.
 
     Args:
         path: the file's path, which error messages name.
@@ -80,7 +80,7 @@ class Snapshot:
         self.metadata: dict[str, Any] = json.loads(source.attrs["metadata"])
 
     def keys(self) -> list[str]:
-        """The store keys of the objects, in :meth:`items` order, without reading their data."""
+        """The store keys of the objects, in `items` order, without reading their data."""
         return [str(self._objects[name].attrs["key"]) for name in sorted(self._objects)]
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -105,11 +105,11 @@ class Snapshot:
 
 @contextmanager
 def open_snapshot(path: str | os.PathLike[str]) -> Iterator[Snapshot]:
-    """Open a snapshot written by :func:`write_snapshot`, checking its header.
+    """Open a snapshot written by `write_snapshot`, checking its header.
 
     Raises:
-        BufferMismatchError: the file is not readable HDF5, not a snapshot of :data:`FORMAT`,
-            or holds another number of objects than its header says.
+        BufferMismatchError: the file is not readable HDF5, not a snapshot of `FORMAT`, or holds
+            another number of objects than its header says.
     """
     try:
         source = h5py.File(path, "r")

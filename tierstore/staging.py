@@ -1,16 +1,15 @@
 """Staging memory: the DRAM a workload copies tensors through on their way to and from the tiers.
 
-Every workload that stages data (the write-back cache, the offloaded optimizer's sub-groups,
-spilled activations, checkpoint drains) needs the same kind of memory: page-aligned buffers that
-O_DIRECT can use without a bounce copy, page-locked for a workload that copies to a device
-(``pin``) so that those copies run asynchronously, recycled by size
-(:class:`~tierstore.buffers.BufferPool`), and counted against the store's one DRAM budget
-(:class:`~tierstore.memory.MemoryLedger`) so that the sum of all workloads' budgets is checked when
+Every workload that stages data (the write-back cache, the offloaded optimizer's sub-groups, spilled
+activations, checkpoint drains) needs the same kind of memory: page-aligned buffers that O_DIRECT
+can use without a bounce copy, page-locked for a workload that copies to a device (``pin``) so that
+those copies run asynchronously, recycled by size ([`BufferPool`][]), and counted against the
+store's one DRAM budget (`MemoryLedger`) so that the sum of all workloads' budgets is checked when
 each starts, not discovered as an out-of-memory kill mid-step.
 
-A :class:`StagingArea` is that memory for one owner: its budget is reserved from the ledger when
-it is made and given back when it is closed (or garbage collected), and its pool never holds more
-than the budget.
+A [`StagingArea`][] is that memory for one owner: its budget is reserved from the ledger when it is
+made and given back when it is closed (or garbage collected), and its pool never holds more than the
+budget.
 """
 
 from __future__ import annotations
@@ -30,18 +29,18 @@ class StagingArea:
     ledger.
 
     Args:
-        ledger: the store's DRAM ledger (:attr:`TierStore.memory`); the budget is reserved from it
-            at once.
+        ledger: the store's DRAM ledger ([`TierStore.memory`][]); the budget is reserved from it at
+            once.
         owner: who holds the memory, as the ledger reports it (``"cache"``,
             ``"optimizer <namespace>"``, ``"activations <namespace>"``).
         budget: bytes reserved from the ledger (an int, or text such as ``"64MiB"``): the most
             the area's buffers (and the owner's own, see ``pool_bytes``) ever hold.
         pin: page-lock the buffers for asynchronous copies to a device, on the calling thread's
             current device (only a workload that makes such copies pins: page-locking initialises
-            CUDA); see :mod:`tierstore.device`.
-        resident: keep freed pages for reuse instead of returning them to the kernel (for
-            workloads whose buffer sizes change all the time and that fill their budget every
-            step; see :class:`~tierstore.buffers.BufferPool`).
+            CUDA); see `tierstore.device`.
+        resident: keep freed pages for reuse instead of returning them to the kernel (for workloads
+            whose buffer sizes change all the time and that fill their budget every step; see
+            [`BufferPool`][]).
         pool_bytes: most bytes of buffers the pool holds; default: the budget. Less for an owner
             that also holds buffers of its own under the same budget (an offloaded optimizer's
             read-ahead ring and gradient buffer), which the reservation then counts too; at most
@@ -51,10 +50,9 @@ class StagingArea:
     Raises:
         ConfigError: ``owner`` is not a non-empty string, or ``budget`` or ``pool_bytes`` is not
             a number of bytes >= 0 nor text such as ``"64MiB"`` (a bool is refused).
-        CapacityError: the budget does not fit beside the other workloads' reservations (the
-            message names who holds what), or ``pool_bytes`` is above the budget. Page-locking
-            happens as buffers are carved: :meth:`try_acquire` raises its
-            :class:`~tierstore.errors.PinnedMemoryError`.
+        CapacityError: the budget does not fit beside the other workloads' reservations (the message
+            names who holds what), or ``pool_bytes`` is above the budget. Page-locking happens as
+            buffers are carved: [`try_acquire`][] raises its [`PinnedMemoryError`][].
     """
 
     def __init__(
@@ -116,7 +114,7 @@ class StagingArea:
         return self.pool.fits(nbytes)
 
     def try_acquire(self, nbytes: int, *, fresh_pages: bool = False) -> AlignedBuffer | None:
-        """A buffer, if there is room for it now (see :meth:`BufferPool.try_acquire`).
+        """A buffer, if there is room for it now (see [`BufferPool.try_acquire`][]).
 
         Args:
             nbytes: the least size of the buffer, in bytes.
@@ -125,8 +123,8 @@ class StagingArea:
                 more.
 
         Returns:
-            A buffer of at least ``nbytes`` (give it back with :meth:`release`), or None while
-            buffers in use leave no room.
+            A buffer of at least ``nbytes`` (give it back with [`release`][]), or None while buffers
+            in use leave no room.
 
         Raises:
             CapacityError: ``nbytes`` exceeds the pool's whole capacity.
@@ -138,12 +136,12 @@ class StagingArea:
         self, nbytes: int, on_return: Callable[[], None] | None = None, *, fresh_pages: bool = False
     ) -> Lease | None:
         """Memory lent as tensors that give it back when the last one is gone (see
-        :meth:`BufferPool.try_lease`).
+        [`BufferPool.try_lease`][]).
 
         Args:
             nbytes: the size of the lent tensors, in bytes.
             on_return: called (on whichever thread let go last) once the memory is back.
-            fresh_pages: as for :meth:`try_acquire`.
+            fresh_pages: as for [`try_acquire`][].
 
         Returns:
             The lease, whose tensors are exactly ``nbytes``; or None while buffers in use leave no
@@ -159,7 +157,7 @@ class StagingArea:
         """Return a buffer acquired here; the caller must hold no view of it any more.
 
         Args:
-            buffer: a buffer from :meth:`try_acquire`.
+            buffer: a buffer from [`try_acquire`][].
         """
         self.pool.release(buffer)
 
@@ -213,9 +211,8 @@ class StagingArea:
 
 def _checked_sizes(owner: object, budget: object, pool_bytes: object) -> tuple[int, int]:
     """The budget and the pool's capacity (``pool_bytes``, or the budget) in bytes, by the rule of
-    every size (:func:`~tierstore._checks.byte_count`); a :class:`ConfigError` names a bad
-    argument (a bool is no number of bytes), a :class:`CapacityError` a pool larger than the
-    budget."""
+    every size (`byte_count`); a [`ConfigError`][] names a bad argument (a bool is no number of
+    bytes), a [`CapacityError`][] a pool larger than the budget."""
     if not isinstance(owner, str) or not owner:
         raise ConfigError(f"staging: owner must be a non-empty string, not {owner!r}")
     budget_bytes = byte_count(budget)

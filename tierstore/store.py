@@ -11,15 +11,15 @@ Contract in brief (details on each method):
 * Metadata commits only after the data it points to is complete, so a failed put leaves the
   previous version (or no object) visible, never a torn one.
 * Every extent written carries an xxHash3 checksum, verified on read (``verify``: ``always``,
-  ``sampled`` = one read in 16, or ``off``); a mismatch raises :class:`ChecksumError` naming the
-  key, the path and the backend object.
+  ``sampled`` = one read in 16, or ``off``); a mismatch raises [`ChecksumError`][] naming the key,
+  the path and the backend object.
 * The cache's buffers never exceed the byte budget: making room waits for write-back of dirty
   entries instead of growing.
 
 Without ``manifest`` a store is scratch space: ``close`` deletes the objects it wrote. With a
-``manifest`` directory (:mod:`tierstore.manifest`) it is persistent: each version that reaches a
-tier is journaled (fsynced) before the previous one is deleted, reopening the same config finds
-every committed object, a crash leaves each key at its old or its new version, and garbage from
+``manifest`` directory (`tierstore.manifest`) it is persistent: each version that reaches a tier is
+journaled (fsynced) before the previous one is deleted, reopening the same config finds every
+committed object, a crash leaves each key at its old or its new version, and garbage from
 interrupted writes is deleted at the next open. Objects still only in the write-back cache are not
 durable until written back (``flush()``, eviction, ``close()``); ``policy="write-through"`` makes
 every put durable when its future resolves.
@@ -27,15 +27,15 @@ every put durable when its future resolves.
 A write-back that fails (a full tier: its capacity or ENOSPC; an I/O error) is never silent: the
 object stays in the cache, readable, until a ``flush()`` writes it; meanwhile every ``flush()``,
 every put that would leave another object only in the cache, and ``close()`` raise a
-:class:`BackendIOError` with the failure's errno naming each such key. Reads never need cache room:
-a miss the cache has no room for is read straight into the destination. ``close()`` releases
-everything (the manifest's lock included) even where it cannot write back, and its error names
-the objects lost.
+[`BackendIOError`][] with the failure's errno naming each such key. Reads never need cache room: a
+miss the cache has no room for is read straight into the destination. ``close()`` releases
+everything (the manifest's lock included) even where it cannot write back, and its error names the
+objects lost.
 
-With ``read_only=True`` a store reads a persistent store's manifest without locking it, even while
-a writer (in this or another process) has it open: it sees the committed objects as of the open
-(later writes are not seen), refuses every change with :class:`ReadOnlyStoreError`, and neither
-collects garbage, compacts nor deletes anything, at the open or at ``close``.
+With ``read_only=True`` a store reads a persistent store's manifest without locking it, even while a
+writer (in this or another process) has it open: it sees the committed objects as of the open (later
+writes are not seen), refuses every change with [`ReadOnlyStoreError`][], and neither collects
+garbage, compacts nor deletes anything, at the open or at ``close``.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ class TierStore(Closeable):
     """A tiered tensor store (see the module docstring for the contract).
 
     Args:
-        tiers: where objects live beyond DRAM, fastest first (a :class:`Tier`, or a bare
-            :class:`Backend` made a tier of one path); each object goes to the first with room.
-            The store owns them and closes them in :meth:`close`.
+        tiers: where objects live beyond DRAM, fastest first (a [`Tier`][], or a bare [`Backend`][]
+            made a tier of one path); each object goes to the first with room. The store owns them
+            and closes them in [`close`][].
         cache_budget: bytes of the DRAM write-back cache; 0 for none (callers that stage their
             own DRAM, the training workloads, lose nothing by it). Every size in bytes here is
             an int or text such as ``"256MiB"``, as in a configuration document.
@@ -98,25 +98,24 @@ class TierStore(Closeable):
             the destination).
         workers: threads running operations; operations on one key always run in call order.
         manifest: a directory for the journal that makes the store persistent; None for scratch
-            space, whose objects :meth:`close` deletes.
+            space, whose objects [`close`][] deletes.
         verify: checksum verification on reads: ``"always"``, ``"sampled"`` (one read in 16) or
             ``"off"``.
         memory_budget: bytes of host memory all the store's workloads may reserve together (the
-            cache's budget included; see :attr:`memory`); None counts without a limit.
+            cache's budget included; see [`memory`][]); None counts without a limit.
         pack_below: objects smaller than this are written back together in pack objects.
         cache_resident: keep the pages of buffers the cache frees for its next objects (a cache
             refilled over and over, as a checkpoint's staging is, then copies into memory already
             mapped, several times faster than into fresh pages); the RSS stays at the cache's
             high-water mark, never above ``cache_budget``, until the store closes.
         read_only: open the persistent store at ``manifest`` for reading only (a DCP load reads
-            every rank's store, some still open in their writers): no lock is taken, so a writer
-            may have it open; the store sees the objects committed when it opened, never later
-            writes; put, delete and being the destination of :meth:`copy_to` raise
-            :class:`ReadOnlyStoreError`, :meth:`flush` has nothing to write and returns at once,
-            and neither the open nor :meth:`close` collects garbage, compacts the manifest or
-            deletes an object. Reads (``cache_reads`` included) work as usual. An object the
-            writer deletes or replaces after the open is gone for this store too
-            (:class:`~tierstore.errors.MissingDataError` on reading it).
+            every rank's store, some still open in their writers): no lock is taken, so a writer may
+            have it open; the store sees the objects committed when it opened, never later writes;
+            put, delete and being the destination of [`copy_to`][] raise [`ReadOnlyStoreError`][],
+            [`flush`][] has nothing to write and returns at once, and neither the open nor
+            [`close`][] collects garbage, compacts the manifest or deletes an object. Reads
+            (``cache_reads`` included) work as usual. An object the writer deletes or replaces after
+            the open is gone for this store too ([`MissingDataError`][] on reading it).
 
     Raises:
         ConfigError: an argument of the wrong type or out of range, named in the message;
@@ -125,11 +124,11 @@ class TierStore(Closeable):
             writing); read-only: there is no persistent store at ``manifest`` (the directory is
             never created).
 
-    A facade: the tier chain (:mod:`.chain`: placement, failover, verified reads, garbage), the
-    commit protocol (:mod:`.catalog`) and, when ``cache_budget`` is above 0, the write-back cache
-    layered over them (:mod:`.cache`) each own one job; the store checks arguments, orders
-    operations per key and routes each one to the operations that run on them (:mod:`.operations`).
-    A put or get that bypasses the cache goes straight to the chain and the catalog.
+    A facade: the tier chain (`chain`: placement, failover, verified reads, garbage), the commit
+    protocol (`catalog`) and, when ``cache_budget`` is above 0, the write-back cache layered over
+    them (`cache`) each own one job; the store checks arguments, orders operations per key and
+    routes each one to the operations that run on them (`operations`). A put or get that bypasses
+    the cache goes straight to the chain and the catalog.
     """
 
     def __init__(
@@ -164,9 +163,9 @@ class TierStore(Closeable):
         memory_budget = None if options["memory_budget"] is None else int(options["memory_budget"])
         pack_below = int(options["pack_below"])
         self.memory = MemoryLedger(memory_budget)
-        """The DRAM ledger the store's workloads reserve their budgets from (see :mod:`.memory`)."""
+        """The DRAM ledger the store's workloads reserve their budgets from (see `memory`)."""
         self.namespaces = Namespaces()
-        """The key prefixes the store's workloads have claimed (see :mod:`.namespaces`)."""
+        """The key prefixes the store's workloads have claimed (see `namespaces`)."""
         self.tiers = [
             tier if isinstance(tier, Tier) else Tier(f"tier{index}", tier) for index, tier in enumerate(tiers)
         ]
@@ -174,7 +173,7 @@ class TierStore(Closeable):
         self.policy = policy
         self.cache_reads = cache_reads
         self.read_only = read_only
-        """Opened read-only: every change raises :class:`ReadOnlyStoreError`."""
+        """Opened read-only: every change raises [`ReadOnlyStoreError`][]."""
         self._closed = False
         self._operations = StoreOperations(
             self.tiers,
@@ -195,8 +194,8 @@ class TierStore(Closeable):
         """A store opened from a config document (see the configuration reference).
 
         Args:
-            config: a :class:`StoreConfig`, a mapping, or the path of a ``.toml`` or ``.json``
-                file; None for the embedded default (one nvme tier under ``./tierstore-data``).
+            config: a [`StoreConfig`][], a mapping, or the path of a ``.toml`` or ``.json`` file;
+                None for the embedded default (one nvme tier under ``./tierstore-data``).
             read_only: open the persistent store the config names for reading only (see the
                 class docstring); the config must name a ``manifest``.
 
@@ -221,9 +220,9 @@ class TierStore(Closeable):
     @property
     def device_runtime(self) -> DeviceRuntime:
         """The device runtime the store's device copies and pinned memory go through (see
-        :mod:`tierstore.device`): CUDA's, or a test's simulated device. A workload that copies
-        between the store's memory and a device itself (an offloaded optimizer over GPU
-        parameters) uses the same one."""
+        `tierstore.device`): CUDA's, or a test's simulated device. A workload that copies between
+        the store's memory and a device itself (an offloaded optimizer over GPU parameters) uses the
+        same one."""
         return self._operations.device.runtime
 
     def staging(
@@ -235,12 +234,12 @@ class TierStore(Closeable):
         resident: bool = False,
         pool_bytes: int | str | None = None,
     ) -> StagingArea:
-        """DRAM for a workload to stage tensors through (see :class:`~tierstore.staging.StagingArea`).
+        """DRAM for a workload to stage tensors through (see [`StagingArea`][]).
 
         Args:
-            owner: who holds the memory, as :meth:`stats` reports it.
-            budget: bytes reserved from :attr:`memory` until the area is closed (an int, or
-                text such as ``"64MiB"``).
+            owner: who holds the memory, as [`stats`][] reports it.
+            budget: bytes reserved from [`memory`][] until the area is closed (an int, or text such
+                as ``"64MiB"``).
             pin: page-lock the buffers for asynchronous copies to a device (only a workload that
                 makes such copies pins: page-locking initialises CUDA).
             resident: keep freed pages for reuse instead of returning them to the kernel.
@@ -279,11 +278,11 @@ class TierStore(Closeable):
         not modify it before then).
 
         Args:
-            key: the object's name (see :func:`~tierstore.namespaces.check_key` for the rules).
-            tensor: any dtype, shape, strides or device; dense (strided) memory only. A CUDA
-                tensor is read after the work queued on the calling thread's current stream when
-                ``put`` is called, on a copy stream (:mod:`tierstore.device`), through the store's
-                pinned pieces; work queued after the call may change it once the future resolves.
+            key: the object's name (see `check_key` for the rules).
+            tensor: any dtype, shape, strides or device; dense (strided) memory only. A CUDA tensor
+                is read after the work queued on the calling thread's current stream when ``put`` is
+                called, on a copy stream (`tierstore.device`), through the store's pinned pieces;
+                work queued after the call may change it once the future resolves.
             cache: False for a caller that manages its own DRAM (the offloaded optimizer): the
                 object goes straight to a tier from the tensor's memory, and any cached copy of
                 the previous version is dropped.
@@ -298,8 +297,8 @@ class TierStore(Closeable):
         Returns:
             A future that resolves once the object is committed: durable on a tier for a
             write-through or bypassing put; otherwise in the store's custody, in the cache, and
-            durable once written back (a write-back that fails keeps it in the cache and is
-            reported by :meth:`flush` and :meth:`close`, naming the key).
+            durable once written back (a write-back that fails keeps it in the cache and is reported
+            by [`flush`][] and [`close`][], naming the key).
 
         Raises:
             InvalidKeyError: a bad key.
@@ -345,7 +344,7 @@ class TierStore(Closeable):
         """Read ``key``, after the operations already issued on it.
 
         A CUDA destination (``out``, or a new tensor on ``device``) is written on a copy stream
-        (:mod:`tierstore.device`) after the work queued on the calling thread's current stream when
+        (`tierstore.device`) after the work queued on the calling thread's current stream when
         ``get`` is called (kernels still reading ``out``), through the store's pinned pieces; that
         stream waits for the copies before the work queued once the future has resolved.
 
@@ -424,10 +423,10 @@ class TierStore(Closeable):
     def flush(self) -> None:
         """Write every dirty cached object to its tier and wait.
 
-        Objects smaller than ``pack_below`` go in packs: one backend object of up to
-        :data:`~tierstore.cache.PACK_BYTES` per batch, each object's record pointing into it.
-        Covers puts whose futures have resolved; wait for pending puts first to include them. A
-        read-only store has nothing to write: it returns at once.
+        Objects smaller than ``pack_below`` go in packs: one backend object of up to `PACK_BYTES`
+        per batch, each object's record pointing into it. Covers puts whose futures have resolved;
+        wait for pending puts first to include them. A read-only store has nothing to write: it
+        returns at once.
 
         Raises:
             BackendIOError: a write-back failed (a full tier, an I/O error): the message names
@@ -445,12 +444,12 @@ class TierStore(Closeable):
         persistent destination).
 
         Where a version sits on a tier and ``destination``'s first tier has the paths its extents
-        use, on backends that can copy without this process (:meth:`Backend.copy_from`: a hard
-        link on one file system, a kernel copy across two), no byte passes through memory and
-        the checksums are carried over: an optimizer's state checkpointed into a store in the
-        checkpoint's folder, and back at resume, in the time of a few metadata operations.
-        Otherwise the object is read and put, one at a time. Blocks until every key is
-        committed. A read-only store can be the source, never the destination.
+        use, on backends that can copy without this process ([`Backend.copy_from`][]: a hard link on
+        one file system, a kernel copy across two), no byte passes through memory and the checksums
+        are carried over: an optimizer's state checkpointed into a store in the checkpoint's folder,
+        and back at resume, in the time of a few metadata operations. Otherwise the object is read
+        and put, one at a time. Blocks until every key is committed. A read-only store can be the
+        source, never the destination.
 
         Args:
             destination: another open store.
@@ -510,7 +509,7 @@ class TierStore(Closeable):
         return self._operations.info(key)
 
     def stats(self) -> dict[str, Any]:
-        """Counters and byte figures, still readable after :meth:`close` for a final report.
+        """Counters and byte figures, still readable after [`close`][] for a final report.
 
         Returns:
             ``hits``, ``misses``, ``evictions``, ``writebacks``, ``cache_budget_bytes``,
@@ -527,7 +526,7 @@ class TierStore(Closeable):
         return self._operations.chain.bandwidths()
 
     def log_stats(self, level: int = logging.INFO) -> dict[str, Any]:
-        """Send :meth:`stats` to the ``tierstore`` logger (one JSON line) and return it."""
+        """Send [`stats`][] to the ``tierstore`` logger (one JSON line) and return it."""
         stats = self.stats()
         _log.log(level, "tierstore stats %s", json.dumps(stats, default=str))
         return stats

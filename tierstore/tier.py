@@ -1,15 +1,15 @@
 """A persistent tier: one or more paths (backends) that act as one, MLP-Offload's "virtual tier".
 
-Every tier is a virtual tier; a single backend is just the one-path case. For each object the
-tier plans extents (:mod:`tierstore.placement`) from its paths' current throughput estimates:
+Every tier is a virtual tier; a single backend is just the one-path case. For each object the tier
+plans extents (`tierstore.placement`) from its paths' current throughput estimates:
 
 * ``stripe``: each object is split across all paths in proportion to their bandwidth, so the
   paths finish together; a read fetches every extent in parallel straight into the destination;
 * ``place``: each whole object goes to one path, in bandwidth proportion over many objects.
 
-Each path (:class:`~tierstore.tier_path.TierPath`, in :mod:`tierstore.tier_path`) runs its
-requests through a :class:`~tierstore.limits.PathScheduler` (limits, priorities, node-wide slots)
-and meters its throughput where the bytes move. The store only talks to tiers, never to backends.
+Each path (`TierPath`, in `tierstore.tier_path`) runs its requests through a `PathScheduler`
+(limits, priorities, node-wide slots) and meters its throughput where the bytes move. The store only
+talks to tiers, never to backends.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def digest(data: memoryview) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one committed version of an object lives: the same object name on each path used.
-    Made by :meth:`Tier.write`, :meth:`Tier.unpack` and :meth:`Tier.placement_from`."""
+    """Where one committed version of an object lives: the same object name on each path used. Made
+    by [`Tier.write`][], [`Tier.unpack`][] and [`Tier.placement_from`][]."""
 
     tier: Tier
     """The tier holding the object."""
@@ -65,7 +65,7 @@ class Placement:
     """Which bytes of the object (``offset``, ``length``) each path used holds: an extent is the
     whole of that path's object ``name``."""
     checksums: tuple[str, ...] = ()
-    """One :func:`digest` per extent, or none if the tier does not checksum."""
+    """One `digest` per extent, or none if the tier does not checksum."""
     pack_offset: int | None = None
     """Set for an object packed with others (small objects written back together): its bytes are
     ``[pack_offset, pack_offset + nbytes)`` of the pack object ``name``, laid out by ``extents``
@@ -94,9 +94,9 @@ class Tier:
 
     Args:
         name: the tier's name, unique in the store (manifest entries name it).
-        paths: its paths (each a :class:`TierPath`, or a bare backend that becomes the path
-            ``<name>.<index>`` with default limits), or one backend for a one-path tier. The
-            tier owns them and closes them.
+        paths: its paths (each a `TierPath`, or a bare backend that becomes the path
+            ``<name>.<index>`` with default limits), or one backend for a one-path tier. The tier
+            owns them and closes them.
         capacity: the most bytes of objects the store keeps on it (an int, or text such as
             ``"100GiB"``; recycled space counts in it; stores sharing the paths count their own);
             None: as many as the media take.
@@ -106,8 +106,8 @@ class Tier:
             and read back, as an optimizer's state is), ``"write"`` or ``"read"``.
         checksums: checksum every extent written, so reads can verify it.
 
-    Each option is defined once, by the configuration document's tier
-    (:class:`~tierstore.config.TierOptions`): the same default and the same check.
+    Each option is defined once, by the configuration document's tier (`TierOptions`): the same
+    default and the same check.
 
     Raises:
         ConfigError: no path, two paths on one medium, or an invalid argument, named as in
@@ -184,7 +184,7 @@ class Tier:
         return self.paths[0].backend
 
     def _reserve(self, nbytes: int) -> None:
-        """Claim ``nbytes`` of capacity (given back by :meth:`discard` or a failed write). Space the
+        """Claim ``nbytes`` of capacity (given back by [`discard`][] or a failed write). Space the
         paths hold for reuse (recycled files) counts in the capacity but never takes it from an
         object: as much of it as the claim needs is given back."""
         with self._lock:
@@ -212,8 +212,8 @@ class Tier:
             self.used_bytes -= nbytes
 
     def weights(self) -> list[float]:
-        """Each path's weight, by :func:`~tierstore.bandwidth.stripe_weight` of its bandwidth
-        estimates and the tier's ``stripe_by``; equal while any path is still unmeasured."""
+        """Each path's weight, by `stripe_weight` of its bandwidth estimates and the tier's
+        ``stripe_by``; equal while any path is still unmeasured."""
         estimates = [path.bandwidth() for path in self.paths]
         if any(estimate is None for estimate in estimates):
             return [1.0] * len(self.paths)
@@ -231,9 +231,9 @@ class Tier:
         return (Extent(chosen, 0, nbytes),)
 
     def write(self, name: str, data: memoryview, priority: Priority) -> Future[Placement]:
-        """Write a whole object; resolves to its placement. Raises :class:`CapacityError` at once
-        if the tier has no room (the capacity is the tier's own: claimed here, given back by
-        :meth:`discard` or when the write fails).
+        """Write a whole object; resolves to its placement. Raises [`CapacityError`][] at once if
+        the tier has no room (the capacity is the tier's own: claimed here, given back by
+        [`discard`][] or when the write fails).
 
         A path whose write fails with an I/O error (ENOSPC, EIO, EACCES, a vanished directory...)
         is excluded from new objects and the object is written again on the remaining paths; if
@@ -291,7 +291,7 @@ class Tier:
 
     def unpack(self, pack: Placement, members: Sequence[tuple[int, int, str | None]]) -> list[Placement]:
         """Placements of the objects a written pack holds, from ``(offset, nbytes, checksum)`` each;
-        the pack is deleted once :meth:`discard` has been called for every one of them."""
+        the pack is deleted once [`discard`][] has been called for every one of them."""
         with self._lock:
             self._pack_members[pack.name] = self._pack_members.get(pack.name, 0) + len(members)
         return [
@@ -302,8 +302,8 @@ class Tier:
     def read_into(
         self, placement: Placement, out: memoryview, priority: Priority, *, verify: bool = True
     ) -> Future[None]:
-        """Read every extent in parallel straight into its slice of ``out``; with ``verify``,
-        check each extent's checksum (:class:`ChecksumError` names the path and object)."""
+        """Read every extent in parallel straight into its slice of ``out``; with ``verify``, check
+        each extent's checksum ([`ChecksumError`][] names the path and object)."""
         if placement.pack_offset is not None:
             return self._read_packed(placement, out, priority, verify=verify)
         reads = [
@@ -334,7 +334,7 @@ class Tier:
         self, source: Placement, new_name: Callable[[], str], *, split: bool
     ) -> list[tuple[int, Placement]] | None:
         """Copy an object of another tier here without its bytes passing through this process
-        (:meth:`Backend.copy_from` per extent: a hard link on one file system, a kernel copy across
+        ([`Backend.copy_from`][] per extent: a hard link on one file system, a kernel copy across
         two), keeping every extent's checksum. Blocks until done.
 
         The extent on the source's path ``i`` goes to path ``i`` here, modulo this tier's number of
@@ -401,8 +401,8 @@ class Tier:
                 self.paths[path].backend.delete(name)
 
     def claim_scratch(self) -> None:
-        """For a scratch store: each path keeps this store's objects apart and removes them even
-        if the process dies (:meth:`Backend.claim_scratch`)."""
+        """For a scratch store: each path keeps this store's objects apart and removes them even if
+        the process dies ([`Backend.claim_scratch`][])."""
         for path in self.paths:
             path.backend.claim_scratch()
 
@@ -464,9 +464,9 @@ class Tier:
         described: Sequence[dict[str, Any]],
         pack_member: dict[str, Any] | None = None,
     ) -> Placement:
-        """Rebuild a placement from :meth:`Placement.describe` (and :meth:`Placement.pack_member`)
-        output, a manifest entry, claiming its capacity (:class:`CapacityError` if the tier is now
-        too small for what it holds)."""
+        """Rebuild a placement from [`Placement.describe`][] (and [`Placement.pack_member`][])
+        output, a manifest entry, claiming its capacity ([`CapacityError`][] if the tier is now too
+        small for what it holds)."""
         index = {path.name: i for i, path in enumerate(self.paths)}
         extents, checksums = [], []
         for extent in described:
@@ -491,7 +491,7 @@ class Tier:
                 self.paths[extent.path].backend.delete(name)
 
     def stats(self) -> dict[str, Any]:
-        """Policy, capacity use, bytes moved, path weights and each path's :meth:`TierPath.stats`
+        """Policy, capacity use, bytes moved, path weights and each path's `TierPath.stats`
         (JSON-ready)."""
         return {
             "placement": self.placement,

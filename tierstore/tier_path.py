@@ -1,10 +1,10 @@
-"""One path of a tier: a backend with its request scheduler, its throughput meters and its
-counters (:class:`TierPath`), and the opening of a configured path (:func:`open_path`: its
-backend, its bandwidth as configured or probed, its node-wide limits).
+"""One path of a tier: a backend with its request scheduler, its throughput meters and its counters
+(`TierPath`), and the opening of a configured path (`open_path`: its backend, its bandwidth as
+configured or probed, its node-wide limits).
 
-A path runs every request through a :class:`~tierstore.limits.PathScheduler` (limits,
-priorities, node-wide slots) and meters its throughput where the bytes move; its tier
-(:mod:`tierstore.tier`) plans which bytes of an object each path holds from those estimates.
+A path runs every request through a `PathScheduler` (limits, priorities, node-wide slots) and meters
+its throughput where the bytes move; its tier (`tierstore.tier`) plans which bytes of an object each
+path holds from those estimates.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class TierPath:
             that slows down; False keeps ``bandwidth`` fixed.
 
     ``max_reads``, ``max_writes`` and ``adapt`` are defined once, by the configuration document's
-    path and tier (:class:`~tierstore.config.PathOptions`): the same defaults and the same checks.
+    path and tier (`PathOptions`): the same defaults and the same checks.
 
     Raises:
         ConfigError: an invalid argument, named as in ``"path 'p': max_reads: must be ..., not
@@ -108,12 +108,12 @@ class TierPath:
         )
 
     def read_into(self, name: str, out: memoryview, priority: Priority) -> Future[None]:
-        """Read object ``name`` from its start into ``out`` (see :meth:`read_at`)."""
+        """Read object ``name`` from its start into ``out`` (see `read_at`)."""
         return self.read_at(name, 0, out, priority)
 
     def read_at(self, name: str, offset: int, out: memoryview, priority: Priority) -> Future[None]:
         """Read bytes of an object this path holds. The tier only reads objects it wrote, so an
-        absent one is lost data: :class:`MissingDataError`, never the backend's ``KeyError``."""
+        absent one is lost data: [`MissingDataError`][], never the backend's ``KeyError``."""
         read = self.scheduler.submit(
             "read", priority, out.nbytes, lambda: self.backend.read_into(name, offset, out)
         )

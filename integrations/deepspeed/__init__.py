@@ -1,21 +1,21 @@
 """Stock DeepSpeed ZeRO-3 with its optimizer-state offload going through tierstore.
 
-Add a top-level ``tierstore`` section to the DeepSpeed config (see :mod:`.config`) next to a
-ZeRO-3 ``offload_optimizer`` with ``device: "nvme"``, and call this package's :func:`initialize`
-where you called ``deepspeed.initialize``::
+Add a top-level ``tierstore`` section to the DeepSpeed config (see `config`) next to a ZeRO-3
+``offload_optimizer`` with ``device: "nvme"``, and call this package's [`initialize`][] where you
+called ``deepspeed.initialize``::
 
     from tierstore.integrations import deepspeed as ts_deepspeed
     engine, optimizer, _, _ = ts_deepspeed.initialize(model=model, model_parameters=params, config=cfg)
 
-Everything else (``engine.backward``, ``engine.step``, ``save_checkpoint``, ``load_checkpoint``)
-is DeepSpeed's own. With ``tierstore.activations`` in the section, the engine's forward also
-spills the activations it saves through the same store (``engine.tierstore_activations``).
-No DeepSpeed file is edited; the seams are in :mod:`.seams`.
+Everything else (``engine.backward``, ``engine.step``, ``save_checkpoint``, ``load_checkpoint``) is
+DeepSpeed's own. With ``tierstore.activations`` in the section, the engine's forward also spills the
+activations it saves through the same store (``engine.tierstore_activations``). No DeepSpeed file is
+edited; the seams are in `seams`.
 
-Where DeepSpeed is started by someone else (Hugging Face ``Trainer``, Accelerate), :func:`enable`
+Where DeepSpeed is started by someone else (Hugging Face ``Trainer``, Accelerate), [`enable`][]
 routes every later ``deepspeed.initialize`` whose config has a ``tierstore`` section through
-:func:`initialize`; configs without one stay on stock DeepSpeed. ``TIERSTORE_DEEPSPEED=1`` does the
-same without code (see :mod:`.hook`).
+[`initialize`][]; configs without one stay on stock DeepSpeed. ``TIERSTORE_DEEPSPEED=1`` does the
+same without code (see `hook`).
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def initialize(
 
     Args:
         config: the DeepSpeed config (a mapping or the path of a JSON file), with a ``tierstore``
-            section (see :class:`TierstoreSection`).
+            section (see [`TierstoreSection`][]).
         config_params: the same, as Accelerate passes it; give exactly one of the two.
         **kwargs: ``deepspeed.initialize``'s other keyword arguments, passed on.
 
@@ -253,7 +253,7 @@ def initialize(
     Raises:
         UnsupportedVersionError: DeepSpeed is missing or outside the supported range.
         ConfigError: a client ``optimizer`` is given, neither or both of ``config`` and
-            ``config_params`` are, or the config fails :func:`validate_config`.
+            ``config_params`` are, or the config fails [`validate_config`][].
     """
     check_deepspeed_version()
     if kwargs.get("optimizer") is not None:
@@ -276,7 +276,7 @@ def initialize(
 
 
 _replaced: dict[str, Callable[..., Any]] = {}
-"""DeepSpeed's own functions that :func:`enable` replaced, by name, until :func:`disable`."""
+"""DeepSpeed's own functions that [`enable`][] replaced, by name, until [`disable`][]."""
 
 
 def _stock_initialize(deepspeed: Any) -> Callable[..., Any]:
@@ -287,14 +287,14 @@ def is_enabled() -> bool:
     """Whether tierstore routes ``deepspeed.initialize``.
 
     Returns:
-        True once :func:`enable` has replaced ``deepspeed.initialize`` and until :func:`disable`.
+        True once [`enable`][] has replaced ``deepspeed.initialize`` and until [`disable`][].
     """
     return "initialize" in _replaced
 
 
 def enable() -> None:
-    """Route every later ``deepspeed.initialize`` whose config (``config`` or ``config_params``)
-    has a ``tierstore`` section through :func:`initialize`; others reach DeepSpeed untouched.
+    """Route every later ``deepspeed.initialize`` whose config (``config`` or ``config_params``) has
+    a ``tierstore`` section through [`initialize`][]; others reach DeepSpeed untouched.
 
     Idempotent. Checks the DeepSpeed version, and transformers/accelerate where installed.
 

@@ -1,12 +1,12 @@
 """The optimizer state in a DeepSpeed checkpoint (seam 7): where it goes and how its index reads.
 
 A save copies every sub-group's state object into a persistent store of the checkpoint's own,
-``<tag>/tierstore/rank<NN>/`` beside the engine's files (:meth:`TierStore.copy_to`: hard links
-where the store and the checkpoint share a file system, so no byte moves and the save takes a few
-metadata operations), then writes the index (:data:`CHECKPOINT_INDEX`: each sub-group's size, state
-tensors and scalars, and the optimizer's own counters), which is the checkpoint's commit. A load
-copies the objects back the same way, or imports a checkpoint of DeepSpeed's own NVMe offload from
-its swap files (:func:`read_swap_file`).
+``<tag>/tierstore/rank<NN>/`` beside the engine's files ([`TierStore.copy_to`][]: hard links where
+the store and the checkpoint share a file system, so no byte moves and the save takes a few metadata
+operations), then writes the index (`CHECKPOINT_INDEX`: each sub-group's size, state tensors and
+scalars, and the optimizer's own counters), which is the checkpoint's commit. A load copies the
+objects back the same way, or imports a checkpoint of DeepSpeed's own NVMe offload from its swap
+files (`read_swap_file`).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def write_index(folder: Path, subgroups: Mapping[str, SavedSubGroup], extra: dic
 
 
 def read_index(folder: Path) -> tuple[dict[str, SavedSubGroup], dict[str, Any]]:
-    """A checkpoint's sub-groups and the ``extra`` its :func:`write_index` was given; a
-    :class:`BufferMismatchError` for an index that is missing, unreadable or of another format."""
+    """A checkpoint's sub-groups and the ``extra`` its `write_index` was given; a
+    [`BufferMismatchError`][] for an index that is missing, unreadable or of another format."""
     index = folder / CHECKPOINT_INDEX
     try:
         saved = json.loads(index.read_text())
@@ -131,7 +131,7 @@ def replay_adam_steps(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _encode_scalars(saved: SavedSubGroup, name: str) -> dict[str, Any]:
-    """A sub-group's :attr:`SavedSubGroup.scalars`, JSON-ready."""
+    """A sub-group's `SavedSubGroup.scalars`, JSON-ready."""
     encoded: dict[str, Any] = {}
     for key, value in saved.scalars.items():
         if torch.is_tensor(value) and value.dim() == 0:

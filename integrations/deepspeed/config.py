@@ -16,12 +16,11 @@ unknown keys, so the section sits at the top level::
     }
 
 Each key is the option it configures, as that option is defined once: the optimizer's staging
-options (:class:`~tierstore.optimizer.options.StagingOptions`), the store's ``tiers`` and
-``workers`` (:mod:`tierstore.config`), and the activation offload's options
-(:class:`~tierstore.activations.options.ActivationOptions`). Without ``tiers``, one NVMe tier
-under ``offload_optimizer.nvme_path`` is used. A key of the section
-or of ``activations`` set to ``"auto"`` (Hugging Face's placeholder) takes its default; ``"auto"``
-anywhere else in the section is an error naming the field.
+options ([`StagingOptions`][]), the store's ``tiers`` and ``workers`` (`tierstore.config`), and the
+activation offload's options (`ActivationOptions`). Without ``tiers``, one NVMe tier under
+``offload_optimizer.nvme_path`` is used. A key of the section or of ``activations`` set to
+``"auto"`` (Hugging Face's placeholder) takes its default; ``"auto"`` anywhere else in the section
+is an error naming the field.
 """
 
 from __future__ import annotations
@@ -43,12 +42,12 @@ AUTO = "auto"
 
 
 class ActivationsSection(ActivationOptions):
-    """``tierstore.activations``: the options of :class:`tierstore.activations.ActivationOffload`,
+    """``tierstore.activations``: the options of [`tierstore.activations.ActivationOffload`][],
     applied around the engine's forward on the optimizer's store."""
 
 
 class TierstoreSection(StagingOptions):
-    """The ``tierstore`` section: the optimizer's staging options (:class:`StagingOptions`), the
+    """The ``tierstore`` section: the optimizer's staging options ([`StagingOptions`][]), the
     store's ``tiers`` and ``workers`` (as in a store config), and what the engine does with them."""
 
     tiers: list[TierConfig] | None = Field(None, min_length=1)

@@ -2,10 +2,10 @@
 
 tierstore installs ``tierstore-deepspeed.pth`` into site-packages; Python runs its one line at
 start-up, which imports this module only when the variable is set (``1``, ``true``, ``yes`` or
-``on``). :func:`install` then calls :func:`~tierstore.integrations.deepspeed.enable` as soon as
-``deepspeed`` has been imported (at once if it already is), so Hugging Face ``Trainer`` and
-Accelerate scripts reach tierstore for every config with a ``tierstore`` section. DeepSpeed is
-not imported early: a process that never uses it pays only for importing tierstore.
+``on``). `install` then calls [`enable`][] as soon as ``deepspeed`` has been imported (at once if it
+already is), so Hugging Face ``Trainer`` and Accelerate scripts reach tierstore for every config
+with a ``tierstore`` section. DeepSpeed is not imported early: a process that never uses it pays
+only for importing tierstore.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """Every point where tierstore plugs into DeepSpeed ZeRO-3 (0.19.x), and the engine's own seams.
 
 Nothing here edits DeepSpeed; each seam is an override or a scoped substitution, checked by
-:func:`check_seams` before use (a DeepSpeed that renamed one fails with a clear error, not silently):
+`check_seams` before use (a DeepSpeed that renamed one fails with a clear error, not silently):
 
 1. ``engine._configure_zero_optimizer`` imports ``stage3.DeepSpeedZeroOptimizer_Stage3`` when it
-   runs: :func:`substituted_optimizer` swaps in
-   :class:`~.zero_optimizer.TierStoreZeroOptimizer` for the duration of ``deepspeed.initialize``
-   and restores it after.
-2. to 5. and 7.: that subclass's overrides (:mod:`.zero_optimizer`, which says what each does):
-   the optimizer-state swapper (:class:`~.swapper.TierStoreSwapper`, state in a TierStore through a
-   :class:`~tierstore.optimizer.subgroup_stager.SubGroupStager`), the gradients kept in low precision and
-   converted per sub-group, the cache-friendly sub-group order, and the optimizer state in
-   checkpoints (:mod:`.checkpoints`).
-6. ``engine.forward``: with ``tierstore.activations`` in the section, :func:`offload_activations`
-   wraps the engine's forward (an instance attribute over the method) in an
-   :class:`~tierstore.activations.ActivationOffload` on the swapper's store.
-8. ``engine.save_checkpoint``/``load_checkpoint``: :func:`tierstore_checkpoints` wraps them (instance
+   runs: `substituted_optimizer` swaps in `TierStoreZeroOptimizer` for the duration of
+   ``deepspeed.initialize`` and restores it after.
+2. to 5. and 7.: that subclass's overrides (`zero_optimizer`, which says what each does): the
+   optimizer-state swapper (`TierStoreSwapper`, state in a TierStore through a `SubGroupStager`),
+   the gradients kept in low precision and converted per sub-group, the cache-friendly sub-group
+   order, and the optimizer state in checkpoints (`checkpoints`).
+6. ``engine.forward``: with ``tierstore.activations`` in the section, `offload_activations` wraps
+   the engine's forward (an instance attribute over the method) in an [`ActivationOffload`][] on the
+   swapper's store.
+8. ``engine.save_checkpoint``/``load_checkpoint``: `tierstore_checkpoints` wraps them (instance
    attributes) to tell the optimizer the checkpoint's folder, so that stock DeepSpeed refuses a
    tierstore checkpoint loudly instead of silently restarting from fresh optimizer state, and so
    that an import finds DeepSpeed's ZeRO file.
@@ -41,9 +39,9 @@ from .config import SECTION, ActivationsSection
 from .zero_optimizer import RELIED_ON, StockZeroOptimizer, TierStoreZeroOptimizer
 
 ENGINE_RELIED_ON = ("save_checkpoint", "load_checkpoint", "_get_zero_ckpt_name")
-"""The methods of ``DeepSpeedEngine`` :func:`tierstore_checkpoints` wraps or calls."""
+"""The methods of ``DeepSpeedEngine`` `tierstore_checkpoints` wraps or calls."""
 CHECKPOINT_MARK = "tierstore"
-"""The key of the :class:`TierstoreCheckpointMark` in a checkpoint's client state."""
+"""The key of the `TierstoreCheckpointMark` in a checkpoint's client state."""
 
 
 def check_seams() -> None:
@@ -62,8 +60,7 @@ def check_seams() -> None:
 
 @contextmanager
 def substituted_optimizer() -> Iterator[None]:
-    """Make the engine build :class:`~.zero_optimizer.TierStoreZeroOptimizer` (process-wide, so
-    only while inside)."""
+    """Make the engine build `TierStoreZeroOptimizer` (process-wide, so only while inside)."""
     check_seams()
     stage3.DeepSpeedZeroOptimizer_Stage3 = TierStoreZeroOptimizer
     try:
@@ -97,9 +94,9 @@ _loading_with_tierstore: ContextVar[bool] = ContextVar("tierstore_loading", defa
 
 def tierstore_checkpoints(engine: Any) -> None:
     """Seam 8: wrap the engine's ``save_checkpoint`` (instance attributes over the methods, which
-    ``Trainer`` reaches through ``model_wrapped``) to put a :class:`TierstoreCheckpointMark` into the
-    engine's model-states file, and ``load_checkpoint`` to accept it and to tell the optimizer
-    which ZeRO checkpoint file the load reads (the engine skips that file with NVMe offload)."""
+    ``Trainer`` reaches through ``model_wrapped``) to put a `TierstoreCheckpointMark` into the
+    engine's model-states file, and ``load_checkpoint`` to accept it and to tell the optimizer which
+    ZeRO checkpoint file the load reads (the engine skips that file with NVMe offload)."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     @functools.wraps(save)
@@ -145,8 +142,8 @@ class TierstoreCheckpointMark:
 
 
 def _check_tierstore_load(checkpoint_format: int) -> dict[str, int]:
-    """What unpickling a :class:`TierstoreCheckpointMark` runs. Checkpoints name it by module and
-    name (``tierstore.integrations.deepspeed.seams._check_tierstore_load``): both are part of the
+    """What unpickling a `TierstoreCheckpointMark` runs. Checkpoints name it by module and name
+    (``tierstore.integrations.deepspeed.seams._check_tierstore_load``): both are part of the
     checkpoint format."""
     if not _loading_with_tierstore.get():
         raise ConfigError(

@@ -1,10 +1,10 @@
 """The optimizer-state swapper DeepSpeed's ZeRO-3 optimizer calls (seam 2), over a TierStore.
 
 DeepSpeed swaps each fp32 sub-group partition in before its update and out after it through an
-"optimizer swapper"; :class:`TierStoreSwapper` is that surface, staging the state through a
-:class:`~tierstore.optimizer.subgroup_stager.SubGroupStager` (read-ahead in the pass order it is told, the
-end of a pass kept in DRAM, background write-back) instead of DeepSpeed's aio swap files. It also
-moves its sub-groups into and out of a checkpoint (:mod:`.checkpoints`).
+"optimizer swapper"; `TierStoreSwapper` is that surface, staging the state through a
+`SubGroupStager` (read-ahead in the pass order it is told, the end of a pass kept in DRAM,
+background write-back) instead of DeepSpeed's aio swap files. It also moves its sub-groups into and
+out of a checkpoint (`checkpoints`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class TierStoreSwapper:
 
     ``swap_folder`` (where DeepSpeed's engine copies its swap files in and out of a checkpoint) is
     created here, and ``store_directories`` are those created for the store's tier (from
-    :func:`~tierstore._directories.missing_directories`); :meth:`close` removes both once the
-    store is closed, as far as they are empty, so that a run leaves no empty trees behind.
+    `missing_directories`); `close` removes both once the store is closed, as far as they are empty,
+    so that a run leaves no empty trees behind.
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class TierStoreSwapper:
         self, parameter: torch.Tensor, async_parameter: torch.Tensor | None = None
     ) -> None:
         """Point the master weights and the optimizer's state tensors into the staged buffer
-        (read-ahead follows the pass order given to :meth:`begin_pass`, not ``async_parameter``)."""
+        (read-ahead follows the pass order given to `begin_pass`, not ``async_parameter``)."""
         name = self._name(parameter)
         numel = self._numels[name]
         names = self._state_names[name]
@@ -202,9 +202,9 @@ class TierStoreSwapper:
 
     def export_checkpoint(self, folder: Path, extra: dict[str, Any]) -> None:
         """Copy every sub-group's state into the checkpoint's store in ``folder``
-        (:func:`~.checkpoints.checkpoint_store`; hard links where they share a file system), then
-        commit the index with the optimizer's per-sub-group scalars (step counts) and ``extra``,
-        so an interrupted save leaves no checkpoint that looks whole."""
+        (`checkpoint_store`; hard links where they share a file system), then commit the index with
+        the optimizer's per-sub-group scalars (step counts) and ``extra``, so an interrupted save
+        leaves no checkpoint that looks whole."""
         self.stager.flush()  # the sub-groups kept in DRAM: their current state to the store
         with checkpoint_store(folder) as saved:
             self.store.copy_to(saved, [self.stager.key(name) for name in self._parameters])
@@ -290,7 +290,7 @@ class TierStoreSwapper:
     def _restore(
         self, name: str, state: torch.Tensor, states: tuple[str, ...], scalars: dict[str, Any]
     ) -> None:
-        """Write a sub-group's ``[master | states...]`` to the store, and :meth:`_set_state`."""
+        """Write a sub-group's ``[master | states...]`` to the store, and `_set_state`."""
         self.stager.write(name, state.numel(), lambda buffer: buffer.copy_(state))
         self._set_state(name, states, scalars)
 

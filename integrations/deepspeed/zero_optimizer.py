@@ -1,31 +1,29 @@
 """DeepSpeed's ZeRO-3 optimizer with its optimizer-state offload going through tierstore.
 
-:class:`TierStoreZeroOptimizer` subclasses ``DeepSpeedZeroOptimizer_Stage3`` and overrides only
-the methods listed in :data:`RELIED_ON` (checked by :func:`~.seams.check_seams`):
+`TierStoreZeroOptimizer` subclasses ``DeepSpeedZeroOptimizer_Stage3`` and overrides only the methods
+listed in `RELIED_ON` (checked by `check_seams`):
 
-* ``_configure_tensor_swapping`` (seam 2): a :class:`~.swapper.TierStoreSwapper` instead of
-  DeepSpeed's aio swappers.
+* ``_configure_tensor_swapping`` (seam 2): a `TierStoreSwapper` instead of DeepSpeed's aio swappers.
 * ``_offload_grad_partition_at_boundary`` (seam 3): records the gradient norm (and that the
   parameter's sub-group has had a gradient) only. Gradients stay in the low-precision
   ``grad_partitions_flat_buffer``; no fp32 gradient is ever written to storage.
 * ``_optimizer_states_and_gradient_swap_in`` (seam 4): after the state is in, converts the
   sub-group's low-precision gradient slice into one reused fp32 buffer (delayed, in place) as
   ``.grad``; ``unscale_and_clip_grads`` passes over a sub-group left without one (see below).
-* ``step`` (seam 5): visits sub-groups in :func:`~tierstore.optimizer.subgroup_stager.pass_order`
-  (forward, then in reverse on the next step: cache-friendly), and tells the swapper the order
-  so it reads ahead and keeps the end of the pass in DRAM; ``backward_prologue`` begins that
-  pass early, so its first reads run while backward does.
+* ``step`` (seam 5): visits sub-groups in `pass_order` (forward, then in reverse on the next step:
+  cache-friendly), and tells the swapper the order so it reads ahead and keeps the end of the pass
+  in DRAM; ``backward_prologue`` begins that pass early, so its first reads run while backward does.
 * ``_rigid_state_dict``, ``reset_swap_buffers``, ``checkpoint_event_epilogue`` (seam 7): the
-  optimizer state goes into and comes back from the checkpoint through tierstore
-  (:mod:`.checkpoints`), or is imported from a checkpoint of DeepSpeed's own NVMe offload.
+  optimizer state goes into and comes back from the checkpoint through tierstore (`checkpoints`), or
+  is imported from a checkpoint of DeepSpeed's own NVMe offload.
 
 Parameters without a gradient on a step (a module unused on that step), as stock DeepSpeed 0.19.8
 ZeRO-3 with its optimizer on NVMe does it (checked by running it; the integration's tests compare):
 
 * Adam's step count (``DeepSpeedCPUAdam``) is kept per optimizer tensor, which in ZeRO-3 is a whole
   sub-group's flat fp32 partition; it advances on every step on which that partition has a
-  ``.grad``. So bias correction is per sub-group, not per parameter as in ``torch.optim.AdamW``
-  (or :class:`~tierstore.optimizer.OffloadedAdamW`): every sub-group that has had a gradient
+  ``.grad``. So bias correction is per sub-group, not per parameter as in ``torch.optim.AdamW`` (or
+  [`OffloadedAdamW`][tierstore.optimizer.OffloadedAdamW]): every sub-group that has had a gradient
   counts every (not overflowed) step. tierstore keeps exactly these counts.
 * A missing gradient is not zeros: DeepSpeed never clears ``grad_partitions_flat_buffer`` between
   steps, so the parameter's slot still holds its last gradient, and stock's swapper reads back
@@ -65,8 +63,8 @@ from .config import SECTION, parse_section
 from .swapper import TierStoreSwapper
 
 StockZeroOptimizer: Any = stage3.DeepSpeedZeroOptimizer_Stage3
-"""DeepSpeed's own ZeRO-3 optimizer, as imported before :func:`~.seams.substituted_optimizer`
-swaps the subclass in."""
+"""DeepSpeed's own ZeRO-3 optimizer, as imported before `substituted_optimizer` swaps the subclass
+in."""
 RELIED_ON = (
     "_configure_tensor_swapping",
     "backward_prologue",
@@ -87,7 +85,7 @@ RELIED_ON = (
     "_release_sub_group",
     "_post_step",
 )
-"""The methods of :data:`StockZeroOptimizer` the subclass overrides or calls."""
+"""The methods of `StockZeroOptimizer` the subclass overrides or calls."""
 
 
 class TierStoreZeroOptimizer(StockZeroOptimizer):  # type: ignore[misc]

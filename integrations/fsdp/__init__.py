@@ -8,8 +8,8 @@ One line replaces ``torch.optim.AdamW`` in a training script that shards its mod
 Each rank stages the state of its own local shards through its own store (namespace
 ``rank<N>/adamw``): fp32 masters and both moments for a bf16-sharded model, the moments only when
 the sharded parameters are fp32 (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``). DCP
-checkpoints (:func:`save`, :func:`load`) stream the state between the store and the checkpoint and
-reshard it to any number of ranks. See :mod:`.optimizer` and :mod:`.checkpoint`;
+checkpoints ([`save`][], [`load`][]) stream the state between the store and the checkpoint and
+reshard it to any number of ranks. See `optimizer` and `checkpoint`;
 ``python -m tierstore.integrations.fsdp.example`` trains a small GPT this way.
 """
 

@@ -1,21 +1,21 @@
-"""torch.distributed.checkpoint (DCP) for an FSDP2 model and its :class:`FSDPOffloadedAdamW`, with the
+"""torch.distributed.checkpoint (DCP) for an FSDP2 model and its [`FSDPOffloadedAdamW`][], with the
 optimizer state streamed between the store and the checkpoint a piece at a time.
 
-:func:`save` and :func:`load` are the two lines a training script calls::
+[`save`][] and [`load`][] are the two lines a training script calls::
 
     tierstore.integrations.fsdp.save(checkpoint_dir, model, optimizer)
     tierstore.integrations.fsdp.load(checkpoint_dir, model, optimizer)
 
-They use ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict``, so the
-checkpoint is a plain DCP checkpoint: the optimizer's entries are ``DTensor``s sharded like the
+They use ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict``, so
+the checkpoint is a plain DCP checkpoint: the optimizer's entries are ``DTensor``s sharded like the
 parameters, and a checkpoint saved on N ranks loads on M (DCP reshards it). What differs from
 ``dcp.save(get_state_dict(...))`` is memory: the optimizer's entries are placeholders (no memory of
-their own) that :class:`StreamingSavePlanner` fills when DCP writes each of them, reading the
-sub-groups that hold it from the store, and :class:`StreamingLoadPlanner` writes each chunk DCP reads
-straight into the sub-groups in the store. The sub-groups pass through the optimizer's own
-staging buffers, and DCP's entries are written from its idle staging pool where they fit: the state
-streams within the optimizer's DRAM budget, whatever its size (beyond it only one parameter's local
-shard of one state part, where that does not fit the pool), and a load writes each sub-group once.
+their own) that [`StreamingSavePlanner`][] fills when DCP writes each of them, reading the
+sub-groups that hold it from the store, and [`StreamingLoadPlanner`][] writes each chunk DCP reads
+straight into the sub-groups in the store. The sub-groups pass through the optimizer's own staging
+buffers, and DCP's entries are written from its idle staging pool where they fit: the state streams
+within the optimizer's DRAM budget, whatever its size (beyond it only one parameter's local shard of
+one state part, where that does not fit the pool), and a load writes each sub-group once.
 
 Plain ``get_state_dict`` / ``set_state_dict`` with ``dcp.save`` / ``dcp.load`` work too; they hold this
 rank's whole state in memory while saving or loading, as torch's own optimizers do.
@@ -59,17 +59,17 @@ class _Placeholder:
 
 
 class StateStream:
-    """The optimizer's state as DCP sees it during :func:`save` / :func:`load`: placeholder entries
+    """The optimizer's state as DCP sees it during [`save`][] / [`load`][]: placeholder entries
     (stride-0 tensors of the right shape and dtype, one fp32 value each, on the shards' device) and
     the just-in-time copy of one parameter's part between the store and a DCP buffer (host memory,
     whatever the shards' device: the state streams between the store and the checkpoint without
     crossing to a GPU).
 
-    The sub-groups pass through the optimizer's own read-ahead ring (:meth:`SubGroupStager.lend_ring`),
+    The sub-groups pass through the optimizer's own read-ahead ring (`SubGroupStager.lend_ring`),
     memory its DRAM budget already counts: a sub-group read for one entry stays there for the
-    entries after it, and the one held longest unused makes room for the next. A load knows its
-    read plan (:meth:`expect`): a sub-group the plan writes whole is not read from the store first,
-    and is written back as soon as its last value arrives.
+    entries after it, and the one held longest unused makes room for the next. A load knows its read
+    plan ([`expect`][]): a sub-group the plan writes whole is not read from the store first, and is
+    written back as soon as its last value arrives.
 
     Args:
         optimizer: the optimizer whose store holds the state; its kept sub-groups are written to
@@ -93,7 +93,7 @@ class StateStream:
         """Load: values of each sub-group the plan still has to write (a sub-group listed here is
         written whole by the plan)."""
         self._lent: list[AlignedBuffer] = []
-        """Staging-pool memory lent for DCP's entries (:meth:`lend`)."""
+        """Staging-pool memory lent for DCP's entries ([`lend`][])."""
         self._lock = threading.Lock()
         self.bytes_moved = 0
 
@@ -228,7 +228,7 @@ class StateStream:
     def lend(self, nbytes: int) -> memoryview:
         """Memory for the values of one entry DCP writes: from the optimizer's staging pool, idle
         while the state streams through the ring, where it has room (so a save holds no memory
-        beyond the optimizer's budget), else of its own. Given back at :meth:`finish`.
+        beyond the optimizer's budget), else of its own. Given back at [`finish`][].
 
         Args:
             nbytes: the size in bytes.
@@ -507,9 +507,9 @@ def save(
 def load(
     checkpoint_id: str | os.PathLike[str], model: nn.Module, optimizer: FSDPOffloadedAdamW, **extra: Any
 ) -> dict[str, Any]:
-    """Load a :func:`save` (or any DCP checkpoint of ``get_state_dict``'s ``model``/``optimizer``
-    layout) into a model and its optimizer, on any number of ranks; the optimizer state is
-    streamed into the store.
+    """Load a [`save`][] (or any DCP checkpoint of ``get_state_dict``'s ``model``/``optimizer``
+    layout) into a model and its optimizer, on any number of ranks; the optimizer state is streamed
+    into the store.
 
     Args:
         checkpoint_id: the checkpoint's directory.
@@ -530,9 +530,9 @@ def load(
 
     The state is streamed into the store as DCP reads it, with no second copy: a load that fails
     part-way (DCP's ``CheckpointException``: a missing or damaged file, or a
-    :class:`StaleMasterWeightsError`) leaves the store holding some sub-groups from the checkpoint
-    and the rest as they were, so load again before training on. A failed :func:`save` changes
-    nothing but the checkpoint directory.
+    `StaleMasterWeightsError`) leaves the store holding some sub-groups from the checkpoint and the
+    rest as they were, so load again before training on. A failed [`save`][] changes nothing but the
+    checkpoint directory.
     """
     stream = StateStream(optimizer)
     try:
@@ -555,8 +555,8 @@ def load(
 
 
 def _restore_counts(optimizer: FSDPOffloadedAdamW) -> Any:
-    """A ``load_state_dict`` for :func:`load`: the state parts are in the store already (streamed),
-    so only the hyper-parameters and step counts are taken from the dict."""
+    """A ``load_state_dict`` for [`load`][]: the state parts are in the store already (streamed), so
+    only the hyper-parameters and step counts are taken from the dict."""
 
     def load_state_dict(state_dict: dict[str, Any]) -> None:
         state_dict = by_position(state_dict)

@@ -2,10 +2,9 @@
 
 ``torch.distributed.fsdp.fully_shard`` turns every parameter into a ``DTensor`` sharded by rows
 (``Shard(0)``) over a 1-D device mesh: each rank holds a contiguous block of rows, its *local
-shard*. :class:`FSDPOffloadedAdamW` is :class:`~tierstore.optimizer.OffloadedAdamW` whose
-sub-groups are cut from those local shards, so a rank reads and writes the state of its own shards
-only, under its own namespace (``rank<N>/adamw`` by default). The layouts are
-:class:`~tierstore.optimizer.OffloadedAdamW`'s, by the shards' dtype:
+shard*. [`FSDPOffloadedAdamW`][] is [`OffloadedAdamW`][] whose sub-groups are cut from those local
+shards, so a rank reads and writes the state of its own shards only, under its own namespace
+(``rank<N>/adamw`` by default). The layouts are [`OffloadedAdamW`][]'s, by the shards' dtype:
 
 * low-precision shards (a model built in bf16 before ``fully_shard``): each sub-group's object is
   ``fp32 master | exp_avg | exp_avg_sq``, 12 bytes per parameter in the store; the shard keeps its
@@ -20,7 +19,7 @@ the ranks). Gradient clipping (``max_grad_norm``) takes one all-reduce of the sq
 ``clip_grad_norm_`` on the ``DTensor`` gradients works as well.
 
 Shards on GPUs (the usual FSDP2 setup, NCCL process groups) take the engine's device path
-(:mod:`tierstore.optimizer.device`): each rank streams its shards' state between its store and its
+([`tierstore.optimizer.device`][]): each rank streams its shards' state between its store and its
 GPU and updates it there, ``gpu_budget`` bytes of it kept on the GPU; the squared norm is summed on
 the GPU and all-reduced there, and the host reads it once per step. Shards in host memory (gloo)
 step on the CPU.
@@ -98,18 +97,17 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
     """AdamW over the local shards of an FSDP2 model's ``DTensor`` parameters (see the module).
 
     Args:
-        params: the model itself (its parameters, and :func:`check_fsdp_model` runs on it), or its
+        params: the model itself (its parameters, and [`check_fsdp_model`][] runs on it), or its
             parameters or parameter groups as for ``torch.optim.AdamW``; call ``fully_shard`` first.
         store: this rank's store (each rank opens its own, e.g. on its own directory).
         namespace: the state's key prefix, claimed on the store; None for ``rank<N>/adamw`` with
             this rank's number, so ranks sharing one store never meet.
         process_group: the group the gradient norm is summed over; None for the parameters'
             mesh's.
-        **options: :class:`~tierstore.optimizer.OffloadedAdamW`'s hyper-parameters and staging
-            options (:class:`~tierstore.optimizer.adamw.AdamWKeywords`), as it takes them; here
-            ``sub_group_size`` counts this rank's local elements, ``dram_budget`` and
-            ``gpu_budget`` (shards on GPUs only) are this rank's memory, and ``max_grad_norm``
-            clips the norm over all ranks.
+        **options: [`OffloadedAdamW`][]'s hyper-parameters and staging options (`AdamWKeywords`), as
+            it takes them; here ``sub_group_size`` counts this rank's local elements,
+            ``dram_budget`` and ``gpu_budget`` (shards on GPUs only) are this rank's memory, and
+            ``max_grad_norm`` clips the norm over all ranks.
 
     Raises:
         FSDPSetupError: no parameter is a ``DTensor`` (the model is not sharded); ``DTensor``
@@ -187,8 +185,8 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
         return all(self._own_masters)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As :meth:`~tierstore.optimizer.StagedOptimizer.add_param_group`, for parameters sharded
-        like the others.
+        """As [`add_param_group`][tierstore.optimizer.StagedOptimizer.add_param_group], for
+        parameters sharded like the others.
 
         Args:
             param_group: ``params`` and the group's hyper-parameters; keys it leaves out take the
@@ -261,8 +259,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
 
     # -- state dicts: DTensors sharded like the parameters ------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :meth:`~tierstore.optimizer.StagedOptimizer.load_state_dict`, for a dict keyed by
-        whatever ids its groups list.
+        """As `load_state_dict`, for a dict keyed by whatever ids its groups list.
 
         Args:
             state_dict: keyed as ``torch.optim`` keys it, or by the fully-qualified names that
@@ -363,7 +360,7 @@ def _is_sharded(param: torch.Tensor) -> bool:
 
 def _common_mesh(params: list[torch.Tensor]) -> Any:
     """The one device mesh of the ``DTensor`` parameters (None if there are none); an
-    :class:`FSDPSetupError` for placements this integration does not step exactly."""
+    [`FSDPSetupError`][] for placements this integration does not step exactly."""
     mesh = None
     for number, param in enumerate(params):
         if not isinstance(param, DTensor):

@@ -19,7 +19,7 @@ def byte_size(text: str) -> int:
 
 
 def positive_byte_size(text: str) -> int:
-    """A byte count (as :func:`byte_size`) of at least one byte."""
+    """A byte count (as `byte_size`) of at least one byte."""
     size = byte_size(text)
     if size < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {text!r}")

@@ -1,9 +1,9 @@
 """Throughput measurement of paths and tiers (used by ``tierstore probe``, ``tierstore bench`` and
 the benchmarks).
 
-Each measurement streams ``count`` objects of ``nbytes`` from one page-aligned buffer, ``depth``
-in flight, then reads them back into another; a :class:`Timeline` samples every path's byte
-counters meanwhile, giving GB/s per path over time.
+Each measurement streams ``count`` objects of ``nbytes`` from one page-aligned buffer, ``depth`` in
+flight, then reads them back into another; a `Timeline` samples every path's byte counters
+meanwhile, giving GB/s per path over time.
 """
 
 from __future__ import annotations

@@ -217,8 +217,8 @@ def _add_train(
 
 def _train(args: argparse.Namespace) -> int:
     """``train`` with the parsed options: one line per step on stderr, the summary on stdout (or,
-    with ``--json``, the report); a run that fails its check
-    (:func:`~tierstore.app.demo.training_failure`) says why on stderr and ends with status 1."""
+    with ``--json``, the report); a run that fails its check (`training_failure`) says why on stderr
+    and ends with status 1."""
     defaults = default_config()
     directory = Path(args.dir or defaults["tiers"][0]["backend"]["path"])
     defaults["tiers"][0]["backend"]["path"] = str(directory)

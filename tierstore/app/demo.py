@@ -57,7 +57,7 @@ class Block(nn.Module):
         width: the model width (split evenly over the heads).
         heads: attention heads.
         dropout: dropout probability on each residual branch (0 leaves the branches as they are).
-        compute: the dtype the linear layers multiply in (see :class:`Linear`).
+        compute: the dtype the linear layers multiply in (see `Linear`).
     """
 
     def __init__(self, width: int, heads: int, dropout: float, compute: torch.dtype | None = None) -> None:
@@ -89,13 +89,13 @@ class GPT(nn.Module):
         heads: attention heads per block (``width`` must divide by it).
         length: the longest sequence (learned positions).
         dropout: dropout probability in the blocks.
-        checkpointed: indices of blocks run under :func:`torch.utils.checkpoint.checkpoint`
-            (their activations are recomputed in backward instead of saved).
+        checkpointed: indices of blocks run under `torch.utils.checkpoint.checkpoint` (their
+            activations are recomputed in backward instead of saved).
         reentrant: checkpoint with the reentrant implementation instead of the default one.
         tied_head: as GPT-2: the output head shares the token embedding's weight, and both
             embeddings start from N(0, 0.02). False gives the head its own weight and keeps torch's
             default initialisation (the DeepSpeed example's model, whose losses its tests compare).
-        compute: the dtype the linear layers multiply in (see :class:`Linear`).
+        compute: the dtype the linear layers multiply in (see `Linear`).
     """
 
     def __init__(
@@ -186,22 +186,22 @@ def run_training(
     activation_budget: int,
     optimizer_name: str = "adamw",
 ) -> dict[str, Any]:
-    """Train a :class:`GPT` on :func:`byte_corpus` with its fp32 optimizer state and the
-    activations saved for backward both spilled to the config's tiers through one store (which
-    caches nothing itself); print one line per step on stderr and return the report.
+    """Train a `GPT` on `byte_corpus` with its fp32 optimizer state and the activations saved for
+    backward both spilled to the config's tiers through one store (which caches nothing itself);
+    print one line per step on stderr and return the report.
 
     Args:
-        config: the store config (a mapping :func:`~tierstore.config.load_config` accepts); its
-            DRAM cache budget is replaced by 0, its memory budget by ``budget + activation_budget``.
+        config: the store config (a mapping [`load_config`][] accepts); its DRAM cache budget is
+            replaced by 0, its memory budget by ``budget + activation_budget``.
         layers, width, length: the model's blocks, width (64 per head) and sequence length.
         batch: sequences per step.
         steps: optimizer steps.
         sub_group_size: elements per optimizer sub-group.
         budget: the optimizer's DRAM bytes (read-ahead ring, gradient buffer, kept sub-groups).
-        activation_budget: activation bytes held in memory at once (:class:`ActivationOffload`,
+        activation_budget: activation bytes held in memory at once ([`ActivationOffload`][],
             lifetime plan).
-        optimizer_name: ``"adamw"`` for :class:`OffloadedAdamW`, ``"apollo-mini"`` for
-            :class:`OffloadedAPOLLO` as APOLLO-Mini on the blocks' matrices.
+        optimizer_name: ``"adamw"`` for [`OffloadedAdamW`][], ``"apollo-mini"`` for
+            [`OffloadedAPOLLO`][] as APOLLO-Mini on the blocks' matrices.
     """
     settings = load_config(config)
     torch.manual_seed(0)
@@ -245,8 +245,8 @@ def run_training(
 
 
 def training_failure(report: dict[str, Any]) -> str | None:
-    """Why a finished :func:`run_training` failed its own check, or None: the loss must fall from
-    the first step to the last (a one-step run has no trend, and passes)."""
+    """Why a finished `run_training` failed its own check, or None: the loss must fall from the
+    first step to the last (a one-step run has no trend, and passes)."""
     if report["loss_decreased"] is not False:
         return None
     steps = report["steps"]
@@ -256,7 +256,7 @@ def training_failure(report: dict[str, Any]) -> str | None:
 def _offloaded_optimizer(
     name: str, model: GPT, store: TierStore, sub_group_size: int, budget: int
 ) -> StagedOptimizer:
-    """The optimizer ``name`` (see :func:`run_training`) over ``model``, its state in ``store``."""
+    """The optimizer ``name`` (see `run_training`) over ``model``, its state in ``store``."""
     if name == "apollo-mini":
         groups = apollo_groups(model, APOLLO_MINI)
         return OffloadedAPOLLO(

@@ -1,9 +1,9 @@
 """The configuration reference, written from the option models themselves.
 
-Each table lists every key of a document with what it takes, its default and what it means, all
-read from the fields that define the options (:mod:`tierstore._checks`), so the reference cannot
-drift from what the code accepts. The documentation's configuration page (``docs/configuration.md``)
-holds the tables between markers::
+Each table lists every key of a document with what it takes, its default and what it means, all read
+from the fields that define the options (`tierstore._checks`), so the reference cannot drift from
+what the code accepts. The documentation's configuration page (``docs/configuration.md``) holds the
+tables between markers::
 
     <!-- reference: store -->
     ...

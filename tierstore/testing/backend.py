@@ -1,9 +1,9 @@
 """The conformance suite every backend must pass, in the manner of ``zarr.testing.store.StoreTests``.
 
-Subclass :class:`BackendTests` in a class whose name starts with ``Test`` and implement
-:meth:`~BackendTests.open` and the two raw-medium helpers. The raw helpers bypass the backend
-(read the file, the dict, the array...) and are the ground truth the tests compare against.
-Tests for capabilities a backend does not declare are skipped, never failed.
+Subclass [`BackendTests`][] in a class whose name starts with ``Test`` and implement
+[`open`][tierstore.testing.BackendTests.open] and the two raw-medium helpers. The raw helpers bypass
+the backend (read the file, the dict, the array...) and are the ground truth the tests compare
+against. Tests for capabilities a backend does not declare are skipped, never failed.
 """
 
 from __future__ import annotations

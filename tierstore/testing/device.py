@@ -1,21 +1,21 @@
 """A simulated device, for testing the order of device copies and the lifetimes of what they hold
 on a machine without a GPU.
 
-:class:`SimulatedDevice` is a :class:`~tierstore.device.DeviceRuntime` whose device memory is host
-memory (:class:`DeviceTensor`, a tensor subclass that views and results keep) and whose streams
-are queues of operations that run only when a test says so (:meth:`SimulatedDevice.run`): a copy
-moves its bytes then, an event completes then, and a wait holds its stream until its event has
-completed. A test so sees what each copy read and wrote, in what order copies complete, and what
-is held until when. A thread that waits for an event (:meth:`SimulatedDevice.synchronize`) runs
-the device until the event completes, copy streams first and the caller's stream last, so that a
-copy that does not wait for the caller's work reads or writes too early and the test sees it.
+[`SimulatedDevice`][] is a [`DeviceRuntime`][tierstore.device.DeviceRuntime] whose device memory is
+host memory ([`DeviceTensor`][], a tensor subclass that views and results keep) and whose streams
+are queues of operations that run only when a test says so ([`SimulatedDevice.run`][]): a copy moves
+its bytes then, an event completes then, and a wait holds its stream until its event has completed.
+A test so sees what each copy read and wrote, in what order copies complete, and what is held until
+when. A thread that waits for an event (`SimulatedDevice.synchronize`) runs the device until the
+event completes, copy streams first and the caller's stream last, so that a copy that does not wait
+for the caller's work reads or writes too early and the test sees it.
 
 Page-locking is recorded too: which addresses are locked, how many lock and unlock calls came,
 every error the runtime reported, and its last error (what ``cudaGetLastError`` would return).
 
-:class:`SimulatedModelDevice` runs a whole model written for a device on the CPU: every tensor
-not page-locked through it is device memory, and the caller's stream is the calling thread (torch
-runs the model's operations as they are called), so only the copies wait for the test.
+`SimulatedModelDevice` runs a whole model written for a device on the CPU: every tensor not
+page-locked through it is device memory, and the caller's stream is the calling thread (torch runs
+the model's operations as they are called), so only the copies wait for the test.
 """
 
 from __future__ import annotations
@@ -281,10 +281,10 @@ class SimulatedModelDevice(SimulatedDevice):
     the event completes. So the copies alone are what the test orders: they run when a thread
     waits for them, or when the test runs their stream.
 
-    :meth:`hold` makes every thread that would run the device (a wait of the caller's stream or
-    :meth:`synchronize`) wait until the block ends instead: copies queued in it run only after
-    everything the model did in it, the latest a GPU could run them, so that a copy that reads
-    memory later operations change reads the changed bytes.
+    `hold` makes every thread that would run the device (a wait of the caller's stream or
+    `synchronize`) wait until the block ends instead: copies queued in it run only after everything
+    the model did in it, the latest a GPU could run them, so that a copy that reads memory later
+    operations change reads the changed bytes.
     """
 
     def __init__(self) -> None:
