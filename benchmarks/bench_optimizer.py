@@ -108,6 +108,21 @@ def geometry(args: argparse.Namespace) -> tuple[int, int]:
     return max(1, args.state // (3 * FP32 * args.numel)), args.numel
 
 
+def offloaded_adamw(
+    args: argparse.Namespace, params: list[torch.nn.Parameter], store: TierStore
+) -> OffloadedAdamW:
+    """The optimizer under test, as both the tierstore side and the compute side build it: one
+    sub-group per parameter, ``--budget`` of DRAM, ``--state-precision``."""
+    return OffloadedAdamW(
+        params,
+        store,
+        lr=1e-4,
+        sub_group_size=args.numel,
+        dram_budget=args.budget,
+        state_precision=args.state_precision,
+    )
+
+
 def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     count, numel = geometry(args)
     page_cache_before = page_cache_bytes()
@@ -116,14 +131,7 @@ def tierstore_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     backend = open_backend({"type": "nvme", "path": str(directory / "tierstore")})
     with TierStore([Tier("nvme", backend)], cache_budget=0, workers=8) as store:
         started = time.perf_counter()
-        optimizer = OffloadedAdamW(
-            params,
-            store,
-            lr=1e-4,
-            sub_group_size=numel,
-            dram_budget=args.budget,
-            state_precision=args.state_precision,
-        )
+        optimizer = offloaded_adamw(args, params, store)
         init_seconds = time.perf_counter() - started
         stager = optimizer.stager
 
@@ -166,14 +174,7 @@ def compute_side(args: argparse.Namespace) -> None:
     for param in params:
         param.grad = torch.randn(param.shape, dtype=torch.bfloat16).mul_(1e-3)
     with TierStore([Tier("dram", open_backend({"type": "dram"}))], cache_budget=0) as store:
-        optimizer = OffloadedAdamW(
-            params,
-            store,
-            lr=1e-4,
-            sub_group_size=numel,
-            dram_budget=args.budget,
-            state_precision=args.state_precision,
-        )
+        optimizer = offloaded_adamw(args, params, store)
         optimizer.step()  # step counts of 1, as in a steady step's bias correction
         # Two state buffers, faulted in beforehand as the stager's ring is.
         ring = [aligned_tensor(optimizer._stored_numel(sg)).zero_() for sg in optimizer.subgroups[:2]]
