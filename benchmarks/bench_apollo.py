@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
 from tierstore import Tier, TierStore
 
 from .bench_optimizer import steady, timed_steps
-from .common import ROOT, log, measure_fio, metadata, module_command, parse_size, run_benchmark
+from .common import ROOT, log, measure_fio, metadata, module_command, parse_size, run_benchmark, run_captured
 
 STATE_BYTES_PER_PARAM = 12  # AdamW: fp32 master weights + two moments
 
@@ -84,11 +83,7 @@ def deepspeed_side(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """bench_optimizer.py's DeepSpeed side, in a child process, over the same state and budget."""
     command = [*module_command("bench_optimizer"), "--side", "deepspeed", "--dir", str(directory)]
     command += ["--state", str(args.state), "--budget", str(args.budget), "--numel", str(args.numel)]
-    child = subprocess.run(
-        [*command, "--steps", str(args.steps)], capture_output=True, text=True, check=False, cwd=ROOT
-    )
-    if child.returncode != 0:
-        raise RuntimeError(f"DeepSpeed side failed:\n{child.stderr[-3000:]}")
+    child = run_captured([*command, "--steps", str(args.steps)], "DeepSpeed side", cwd=ROOT)
     result: dict[str, Any] = json.loads(child.stdout.strip().splitlines()[-1])
     return result
 

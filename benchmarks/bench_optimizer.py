@@ -61,7 +61,6 @@ import re
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -86,6 +85,7 @@ from .common import (
     module_command,
     parse_size,
     run_benchmark,
+    run_captured,
     spread,
 )
 
@@ -404,11 +404,7 @@ def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[
 
 def child(side: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     """One side in a fresh process: each has the machine and its page cache to itself."""
-    done = subprocess.run(
-        child_command(side, args, directory), capture_output=True, text=True, check=False, cwd=ROOT
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{side} side failed:\n{done.stderr[-3000:]}")
+    done = run_captured(child_command(side, args, directory), f"{side} side", cwd=ROOT)
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 

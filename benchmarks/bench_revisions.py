@@ -34,7 +34,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, format_size, log, metadata, parse_size, positive_int, run_benchmark, spread
+from .common import (
+    ROOT,
+    format_size,
+    log,
+    metadata,
+    parse_size,
+    positive_int,
+    run_benchmark,
+    run_captured,
+    spread,
+)
 
 PACKAGE_FOLDERS = ("backends", "optimizer", "activations", "checkpoint", "integrations")
 """Top-level folders installed as ``tierstore.<name>`` (pyproject's package-dir)."""
@@ -125,16 +135,12 @@ def run_once(
             filter(None, [str(imports), os.environ.get("PYTHONPATH")])
         )
     with tempfile.TemporaryDirectory(prefix=f"{workload}-", dir=scratch) as directory:
-        done = subprocess.run(
+        done = run_captured(
             [*command, *arguments(args, Path(directory))],
+            f"{workload} at {root}",
             cwd=folder,
             env=environment,
-            check=False,
-            capture_output=True,
-            text=True,
         )
-        if done.returncode != 0:
-            raise RuntimeError(f"{workload} at {root} failed:\n{done.stderr[-4000:]}")
         return figure(done.stdout, Path(directory))
 
 

@@ -97,6 +97,18 @@ def module_command(module: str) -> list[str]:
     return [sys.executable, "-m", f"benchmarks.{module}"]
 
 
+def run_captured(
+    command: list[str], what: str, *, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (in ``cwd``, with the environment ``env`` or this process's) to its end, its
+    stdout and stderr captured as text; a non-zero exit raises ``RuntimeError`` saying that ``what``
+    failed, with the end of its stderr."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=cwd, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return done
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from .common import run_captured
 
 RATE = 100
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
@@ -41,7 +42,7 @@ def record(command: list[str], output: Path, cwd: Path) -> None:
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:
         raise RuntimeError("py-spy is not installed: pip install py-spy")
-    done = subprocess.run(
+    run_captured(
         [
             spy,
             "record",
@@ -57,13 +58,9 @@ def record(command: list[str], output: Path, cwd: Path) -> None:
             "--",
             *command,
         ],
-        capture_output=True,
-        text=True,
-        check=False,
+        "py-spy",
         cwd=cwd,
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"py-spy failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
 def breakdown(raw: Path, phase: re.Pattern[str]) -> dict[str, dict[str, float]]:
