@@ -38,7 +38,6 @@ import functools
 import json
 import logging
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from pydantic import ValidationError
 from tierstore.activations import ActivationOffload, Attachment
 from tierstore.activations.options import ActivationOptions
 
-from tierstore.config import default_config
+from tierstore.config import default_config, read_config_file
 from tierstore.errors import ConfigError, config_error_from_validation
 from tierstore.store import TierStore
 
@@ -95,16 +94,9 @@ def settings(value: str | None = None) -> Settings:
         if path.suffix not in (".toml", ".json"):
             raise ConfigError(f"{VARIABLE}: give 1 or the path of a .toml or .json file, not {value!r}")
         try:
-            text = path.read_text()
-        except OSError as error:
-            raise ConfigError(f"{VARIABLE}: cannot read {path}: {error.strerror}") from None
-        try:
-            loaded = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"{VARIABLE}: {path} is not valid {path.suffix.lstrip('.')}: {error}") from None
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"{VARIABLE}: {path} must hold a mapping, not {type(loaded).__name__}")
-        document = dict(loaded)
+            document = read_config_file(path)
+        except ConfigError as error:
+            raise ConfigError(f"{VARIABLE}: {error}") from None
     table = document.pop(SECTION, {})
     if not isinstance(table, Mapping):
         raise ConfigError(f"{SECTION}: must be a table of ActivationOffload's options, not {table!r}")

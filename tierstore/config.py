@@ -285,20 +285,33 @@ def load_config(source: ConfigSource) -> StoreConfig:
                 f"config file {path}: configs are TOML (.toml) or JSON (.json) files, "
                 f"not {path.suffix or 'files without a suffix'}"
             )
-        try:
-            text = path.read_text()
-        except OSError as error:
-            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
-        try:
-            source = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.')}: {error}") from None
+        source = read_config_file(path)
     if not isinstance(source, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(source).__name__}")
     try:
         return StoreConfig.model_validate(dict(source))
     except ValidationError as error:
         raise config_error_from_validation(error, where) from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The mapping a config file holds: TOML for a ``.toml`` suffix, JSON otherwise.
+
+    Raises:
+        ConfigError: the file cannot be read, is not valid TOML or JSON, or holds something other
+            than a mapping.
+    """
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    try:
+        document = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.')}: {error}") from None
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(document).__name__}")
+    return dict(document)
 
 
 def default_config() -> dict[str, Any]:
