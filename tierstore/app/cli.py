@@ -170,6 +170,18 @@ def _removed_if_created(directory: Path) -> Iterator[None]:
 
 
 # -- train ---------------------------------------------------------------------------------------
+_TRAIN_COUNTS: dict[str, tuple[int, str]] = {
+    "layers": (4, "transformer blocks"),
+    "width": (256, "model width, 64 per head"),
+    "length": (128, "tokens per sequence"),
+    "batch": (8, "sequences per step"),
+    "steps": (6, "optimizer steps"),
+    "sub_group_size": (250_000, "elements per sub-group"),
+}
+"""``train``'s counts, by the keyword of `run_training` each is (and the option, ``--sub-group-size``
+for ``sub_group_size``): its default and what it counts."""
+
+
 def _add_train(
     commands: argparse._SubParsersAction[argparse.ArgumentParser], default_dir: str
 ) -> argparse.ArgumentParser:
@@ -183,14 +195,10 @@ def _add_train(
         "loss, step time, resident activation bytes and GB/s.",
     )
     train.add_argument("--dir", type=Path, help=f"directory of the NVMe tier (default ./{default_dir})")
-    train.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (4)")
-    train.add_argument("--width", type=positive_int, default=256, help="model width, 64 per head (256)")
-    train.add_argument("--length", type=positive_int, default=128, help="tokens per sequence (128)")
-    train.add_argument("--batch", type=positive_int, default=8, help="sequences per step (8)")
-    train.add_argument("--steps", type=positive_int, default=6, help="optimizer steps (6)")
-    train.add_argument(
-        "--sub-group-size", type=positive_int, default=250_000, help="elements per sub-group (250000)"
-    )
+    for name, (default, meaning) in _TRAIN_COUNTS.items():
+        train.add_argument(
+            f"--{name.replace('_', '-')}", type=positive_int, default=default, help=f"{meaning} ({default})"
+        )
     train.add_argument(
         "--dram-budget",
         type=positive_byte_size,
@@ -225,12 +233,7 @@ def _train(args: argparse.Namespace) -> int:
     with _removed_if_created(directory):
         report = run_training(
             defaults,
-            layers=args.layers,
-            width=args.width,
-            length=args.length,
-            batch=args.batch,
-            steps=args.steps,
-            sub_group_size=args.sub_group_size,
+            **{name: getattr(args, name) for name in _TRAIN_COUNTS},
             budget=args.dram_budget,
             activation_budget=args.activation_budget,
             optimizer_name=args.optimizer,
