@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 from tierstore.backends import open_backend
+from tierstore.optimizer import StagedOptimizer
 
 from tierstore import Tier, TierStore
 
@@ -362,6 +363,79 @@ def train_side_by_side(
     if exact:
         for got, want in zip(model, reference, strict=True):
             assert torch.equal(got.detach(), want.detach())
+
+
+def train_seeded(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: range) -> None:
+    """Step ``optimizer`` over ``params`` once for each of ``steps``, with gradients in each
+    parameter's dtype drawn from a generator seeded by the step (so that a resumed run draws what an
+    uninterrupted one does)."""
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+        optimizer.step()
+
+
+def assert_resume_equals_uninterrupted(
+    tmp_path: Path,
+    shapes: Sequence[tuple[int, ...]],
+    make: Callable[[list[torch.nn.Parameter], TierStore, str], StagedOptimizer],
+) -> dict[str, Any]:
+    """Train bf16 parameters of ``shapes`` for 10 steps straight; train them 5 steps, save, then
+    resume on another tier and train the other 5, from the state dict (with the parameters as saved)
+    and from an HDF5 snapshot in ``tmp_path`` (whose master weights are copied into fresh
+    parameters): both resumed runs must end equal to the bit to the uninterrupted one.
+
+    Args:
+        tmp_path: the test's folder, for the stores and the snapshot.
+        shapes: the parameters' shapes.
+        make: builds the optimizer under test over the parameters, on the store, with the
+            namespace given (each run takes its own).
+
+    Returns:
+        The state dict saved after 5 steps, for the caller's checks of its entries.
+    """
+
+    def fresh() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in shapes]
+
+    with make_store(tmp_path, "dram") as store:
+        params = fresh()
+        straight = make(params, store, "a")
+        train_seeded(straight, params, range(10))
+        expected = straight.master_params()
+
+    with make_store(tmp_path, "dram") as store:
+        params = fresh()
+        first = make(params, store, "b")
+        train_seeded(first, params, range(5))
+        checkpoint = first.state_dict()
+        saved_params = [p.detach().clone() for p in params]
+
+    with make_store(tmp_path, "nvme") as store:  # resume on another tier
+        params = fresh()
+        for param, saved in zip(params, saved_params, strict=True):
+            param.data.copy_(saved)
+        resumed = make(params, store, "c")
+        resumed.load_state_dict(checkpoint)
+        train_seeded(resumed, params, range(5, 10))
+        for got, want in zip(resumed.master_params(), expected, strict=True):
+            assert torch.equal(got, want)
+
+    with make_store(tmp_path, "dram") as store:  # the same through an HDF5 snapshot
+        params = fresh()
+        first = make(params, store, "snap")
+        train_seeded(first, params, range(5))
+        first.save_snapshot(tmp_path / "snapshot.h5")
+    with make_store(tmp_path, "nvme") as store:
+        params = fresh()  # the snapshot's master weights are copied into the model
+        resumed = make(params, store, "snap")
+        resumed.load_snapshot(tmp_path / "snapshot.h5")
+        train_seeded(resumed, params, range(5, 10))
+        for got, want in zip(resumed.master_params(), expected, strict=True):
+            assert torch.equal(got, want)
+    return checkpoint
 
 
 # -- models trained with and without an activation offloader ---------------------------------------

@@ -12,7 +12,14 @@ from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, partition_whole
 
 from tierstore import BufferMismatchError, ConfigError, TierStore
 
-from .helpers import make_store, relative_error, train_against_reference, train_side_by_side, twin_parameters
+from .helpers import (
+    assert_resume_equals_uninterrupted,
+    make_store,
+    relative_error,
+    train_against_reference,
+    train_side_by_side,
+    twin_parameters,
+)
 
 MATRICES = [(37, 13), (13, 40), (64, 64), (5, 300)]  # tall, wide, square, one larger than a sub-group
 VECTORS = [(50,), (7,)]  # biases and norms: AdamW
@@ -153,34 +160,12 @@ def test_the_reference_flags(tmp_path: Path, options: dict[str, Any]) -> None:
 def test_save_load_continue_equals_uninterrupted(tmp_path: Path) -> None:
     projection = {**MINI, "update_proj_gap": 3}  # refreshes before and after the resume point
 
-    def train(optimizer: OffloadedAPOLLO, params: list[torch.nn.Parameter], steps: range) -> None:
-        for step in steps:
-            generator = torch.Generator().manual_seed(step)
-            for param in params:
-                param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-            optimizer.step()
-
-    def fresh() -> list[torch.nn.Parameter]:
-        torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in MATRICES + VECTORS]
-
     def make(params: list[torch.nn.Parameter], store: TierStore, namespace: str) -> OffloadedAPOLLO:
         return OffloadedAPOLLO(
             groups(params, projection), store, sub_group_size=1000, dram_budget=1 << 18, namespace=namespace
         )
 
-    with make_store(tmp_path, "dram") as store:
-        params = fresh()
-        straight = make(params, store, "a")
-        train(straight, params, range(10))
-        expected = straight.master_params()
-
-    with make_store(tmp_path, "dram") as store:
-        params = fresh()
-        first = make(params, store, "b")
-        train(first, params, range(5))
-        checkpoint = first.state_dict()
-        saved_params = [p.detach().clone() for p in params]
+    checkpoint = assert_resume_equals_uninterrupted(tmp_path, [*MATRICES, *VECTORS], make)
     assert set(checkpoint["state"][0]) == {
         "step",
         "exp_avg",
@@ -191,29 +176,6 @@ def test_save_load_continue_equals_uninterrupted(tmp_path: Path) -> None:
     }
     assert checkpoint["state"][0]["exp_avg"].shape == (37, 1)  # rank 1: the moments are low-rank
     assert set(checkpoint["state"][len(MATRICES)]) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
-
-    with make_store(tmp_path, "nvme") as store:  # resume on another tier
-        params = fresh()
-        for param, saved in zip(params, saved_params, strict=True):
-            param.data.copy_(saved)
-        resumed = make(params, store, "c")
-        resumed.load_state_dict(checkpoint)
-        train(resumed, params, range(5, 10))
-        for got, want in zip(resumed.master_params(), expected, strict=True):
-            assert torch.equal(got, want)
-
-    with make_store(tmp_path, "dram") as store:  # the same through an HDF5 snapshot
-        params = fresh()
-        first = make(params, store, "snap")
-        train(first, params, range(5))
-        first.save_snapshot(tmp_path / "apollo.h5")
-    with make_store(tmp_path, "nvme") as store:
-        params = fresh()  # the snapshot's master weights are copied into the model
-        resumed = make(params, store, "snap")
-        resumed.load_snapshot(tmp_path / "apollo.h5")
-        train(resumed, params, range(5, 10))
-        for got, want in zip(resumed.master_params(), expected, strict=True):
-            assert torch.equal(got, want)
 
 
 def test_a_restore_with_another_rank_is_refused(tmp_path: Path) -> None:

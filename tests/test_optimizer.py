@@ -13,7 +13,14 @@ from tierstore.optimizer.partition import KERNEL_ALIGNMENT
 
 from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, TierStore
 
-from .helpers import make_store, relative_error, train_against_reference, train_side_by_side, twin_parameters
+from .helpers import (
+    assert_resume_equals_uninterrupted,
+    make_store,
+    relative_error,
+    train_against_reference,
+    train_side_by_side,
+    twin_parameters,
+)
 
 SHAPES = [(37, 13), (1000,), (7,), (300, 3), (4097,)]  # sizes off every alignment
 FP32_STATE = 8
@@ -192,54 +199,12 @@ def test_param_groups_keep_their_own_hyperparameters(tmp_path: Path) -> None:
 
 
 def test_save_load_continue_equals_uninterrupted(tmp_path: Path) -> None:
-    def train(optimizer: OffloadedAdamW, params: list[torch.nn.Parameter], steps: range) -> None:
-        for step in steps:
-            generator = torch.Generator().manual_seed(step)
-            for param in params:
-                param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-            optimizer.step()
+    def make(params: list[torch.nn.Parameter], store: TierStore, namespace: str) -> OffloadedAdamW:
+        budget = 12 * 4 * 1500 + 4 * 1500
+        return OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace=namespace)
 
-    def fresh() -> list[torch.nn.Parameter]:
-        torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in SHAPES]
-
-    budget = 12 * 4 * 1500 + 4 * 1500
-    with make_store(tmp_path, "dram") as store:
-        params = fresh()
-        straight = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="a")
-        train(straight, params, range(10))
-        expected = straight.master_params()
-
-    with make_store(tmp_path, "dram") as store:
-        params = fresh()
-        first = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="b")
-        train(first, params, range(5))
-        checkpoint = first.state_dict()
-        saved_params = [p.detach().clone() for p in params]
+    checkpoint = assert_resume_equals_uninterrupted(tmp_path, SHAPES, make)
     assert set(checkpoint["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
-
-    with make_store(tmp_path, "nvme") as store:  # resume on another tier
-        params = fresh()
-        for param, saved in zip(params, saved_params, strict=True):
-            param.data.copy_(saved)
-        resumed = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="c")
-        resumed.load_state_dict(checkpoint)
-        train(resumed, params, range(5, 10))
-        for got, want in zip(resumed.master_params(), expected, strict=True):
-            assert torch.equal(got, want)
-
-    with make_store(tmp_path, "dram") as store:  # the same through an HDF5 snapshot
-        params = fresh()
-        first = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="snap")
-        train(first, params, range(5))
-        first.save_snapshot(tmp_path / "optimizer.h5")
-    with make_store(tmp_path, "nvme") as store:
-        params = fresh()  # the snapshot's master weights are copied into the model
-        resumed = OffloadedAdamW(params, store, sub_group_size=1500, dram_budget=budget, namespace="snap")
-        resumed.load_snapshot(tmp_path / "optimizer.h5")
-        train(resumed, params, range(5, 10))
-        for got, want in zip(resumed.master_params(), expected, strict=True):
-            assert torch.equal(got, want)
 
 
 def test_cached_subgroups_skip_their_reads_and_writes(tmp_path: Path) -> None:
