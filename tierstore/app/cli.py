@@ -147,14 +147,21 @@ def _report(command: str, report: dict[str, Any], summary: str, json_path: str |
         return 0
     print(summary)
     if json_path is not None:
-        try:
-            Path(json_path).write_text(text + "\n")
-        except OSError as error:
-            print(
-                f"tierstore {command}: the report was not written to {json_path}: {error.strerror or error}",
-                file=sys.stderr,
-            )
-            return 1
+        return _write_report(command, "the report", text, Path(json_path))
+    return 0
+
+
+def _write_report(command: str, what: str, text: str, path: Path) -> int:
+    """Write the JSON document ``text`` to ``path``: status 0, or 1 with a line on stderr that says
+    that ``what`` (``"the report"``) was not written there, and why."""
+    try:
+        path.write_text(text + "\n")
+    except OSError as error:
+        print(
+            f"tierstore {command}: {what} was not written to {path}: {error.strerror or error}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -480,15 +487,7 @@ def _bench(args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.output is not None:
-        try:
-            args.output.write_text(text + "\n")
-        except OSError as error:
-            print(
-                f"tierstore bench: the report above was not written to {args.output}: "
-                f"{error.strerror or error}",
-                file=sys.stderr,
-            )
-            return 1
+        return _write_report("bench", "the report above", text, args.output)
     return 0
 
 
