@@ -38,7 +38,7 @@ from ..errors import ConfigError
 BLOCK = 256
 """Elements per quantisation block of an ``int8`` row (one fp32 absmax each)."""
 
-QUANTISE_CHUNK = 1 << 20
+QUANTISE_CHUNK = 1 << 18
 """Elements quantised at a time (a multiple of [`BLOCK`][]): bounds the kernels' temporaries."""
 
 ALIGNMENT = 64
@@ -137,16 +137,25 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 
 _BUCKET_SHIFT = 15
-"""A normalised magnitude's fp32 bits shifted right by this name its bucket (its exponent and 8
+"""A normalised value's fp32 bits shifted right by this name its bucket (its sign, exponent and 8
 significand bits): the map's entries are at least 2^-8 of their magnitude apart, so a bucket holds
-at most one midpoint between entries, and one comparison finds the nearest."""
+at most one midpoint between entries, and one comparison of the low bits finds the nearest."""
+
+_LOW_BITS = (1 << _BUCKET_SHIFT) - 1
+"""The bits of a normalised value below its bucket."""
 
 
 @functools.cache
-def _buckets(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per bucket of normalised magnitudes in [0, 1]: the index among the map's non-negative entries
-    of the one nearest to the bucket's start, and the midpoint to the next entry inside the bucket
-    (infinity if none)."""
+def _bucket_table(signed: bool, device: torch.device) -> torch.Tensor:
+    """Each bucket's ``entry``, one int32 per bucket of normalised values (indexed by a value's fp32
+    bits >> ``_BUCKET_SHIFT``, its sign bit included), such that ``(entry + the value's low bits)
+    >> 15`` is the code of the map entry nearest to the value, all bits inverted for a negative
+    value (its low byte then counts down from the entry 0): ``entry`` is the code of the entry
+    nearest to the bucket's start times 2^15, plus 2^15 - 1 minus the low bits of the midpoint to
+    the next entry inside the bucket (all ones if there is none), so that the low bits carry into
+    the code exactly when the value lies beyond that midpoint. Beyond ±1 (a block whose absmax is
+    NaN, where the block is divided by 1) a bucket holds the code of ±1, and NaN the code of 1, as
+    comparisons with NaN are false; a negative value of the non-negative map takes the code of 0."""
     table = _maps(signed)[0]
     positive = table[table >= 0]
     midpoints = (positive[1:] + positive[:-1]) / 2
@@ -154,9 +163,27 @@ def _buckets(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Te
     starts = (torch.arange(count + 1, dtype=torch.int32) << _BUCKET_SHIFT).view(torch.float32)
     lower = torch.searchsorted(midpoints, starts[:-1])  # midpoints below each bucket's start
     padded = torch.cat([midpoints, torch.tensor([math.inf, math.inf])])
-    inside = torch.where(padded[lower] < starts[1:], padded[lower], math.inf)
+    inside = padded[lower]
     assert bool((padded[lower + 1] >= starts[1:]).all()), "a bucket holds two midpoints"
-    return lower.to(torch.int32).to(device), inside.to(device)
+    # the midpoint's low bits, or all ones (never exceeded) for a bucket without one
+    threshold = torch.where(inside < starts[1:], inside.view(torch.int32) & _LOW_BITS, _LOW_BITS).long()
+    zero = (table.numel() - 1) // 2 if signed else 0  # the code of the entry 0
+    half = 1 << (31 - _BUCKET_SHIFT)  # buckets of each sign
+    codes = torch.full((2 * half,), zero + int(lower[-1]), dtype=torch.int64)  # NaN's
+    codes[:count] = zero + lower
+    if signed:  # inverted: (~code) & 255 counts down from the entry 0
+        codes[half:] = ~(zero + int(lower[-1]))  # NaN's
+        infinite = int(torch.tensor(math.inf).view(torch.int32)) >> _BUCKET_SHIFT
+        codes[half : half + infinite] = ~(zero - int(lower[-1]))  # below -1 (an absmax of NaN)
+        codes[half : half + count] = ~(zero - lower)
+    else:
+        codes[half:] = 0
+    thresholds = torch.full((2 * half,), _LOW_BITS, dtype=torch.int64)
+    thresholds[:count] = threshold
+    if signed:
+        thresholds[half : half + count] = threshold
+    entries = (codes << _BUCKET_SHIFT) + _LOW_BITS - thresholds
+    return entries.to(torch.int32).to(device)
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -183,33 +210,49 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
         absmax: fp32, one per block (``ceil(len(values) / BLOCK)``).
         signed: the signed map (a moment of either sign) or the non-negative one.
     """
-    lower, inside = _buckets(signed, values.device)
-    zero = (_maps(signed)[0].numel() - 1) // 2 if signed else 0  # the index of the entry 0
+    table = _bucket_table(signed, values.device)
+    chunk = min(QUANTISE_CHUNK, -(-values.numel() // BLOCK) * BLOCK)
+    normalised = torch.empty(chunk, dtype=torch.float32, device=values.device)
+    bits = normalised.view(torch.int32)
+    bucket = torch.empty(chunk, dtype=torch.int64, device=values.device)
+    entry, low = (torch.empty(chunk, dtype=torch.int32, device=values.device) for _ in range(2))
     for start in range(0, values.numel(), QUANTISE_CHUNK):
         part = values[start : start + QUANTISE_CHUNK]
         padded = _blocks(part)
+        size = padded.numel()
         peak = absmax[start // BLOCK : start // BLOCK + padded.shape[0]]
-        torch.amax(padded.abs(), dim=1, out=peak)
-        normalised = (padded / torch.where(peak > 0, peak, 1.0).unsqueeze(1)).view(-1)[: part.numel()]
-        magnitude = normalised.abs() if signed else normalised.clamp(min=0.0)
-        bucket = (magnitude.view(torch.int32) >> _BUCKET_SHIFT).clamp_(max=lower.numel() - 1)
-        index = torch.index_select(lower, 0, bucket)
-        index += magnitude > torch.index_select(inside, 0, bucket)
-        if signed:
-            index = torch.where(normalised < 0, zero - index, zero + index)
-        codes[start : start + part.numel()].copy_(index)
+        torch.amax(torch.abs(padded, out=normalised[:size].view_as(padded)), dim=1, out=peak)
+        torch.div(
+            padded, torch.where(peak > 0, peak, 1.0).unsqueeze(1), out=normalised[:size].view_as(padded)
+        )
+        torch.bitwise_right_shift(bits[:size], _BUCKET_SHIFT, out=bucket[:size])
+        bucket[:size].bitwise_and_(table.numel() - 1)
+        torch.index_select(table, 0, bucket[:size], out=entry[:size])
+        entry[:size].add_(torch.bitwise_and(bits[:size], _LOW_BITS, out=low[:size]))
+        entry[:size].bitwise_right_shift_(_BUCKET_SHIFT)
+        if signed:  # inverted for a negative value
+            entry[:size].bitwise_xor_(torch.bitwise_right_shift(bits[:size], 31, out=low[:size]))
+        codes[start : start + part.numel()].copy_(entry[: part.numel()])
 
 
 def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
     """The inverse of [`quantise_blockwise`][]: each code's map entry times its block's absmax, into
     the fp32 row ``out``."""
     table = _on(_maps(signed)[0], out.device)
+    full = out.numel() // BLOCK * BLOCK
+    index = torch.empty(min(QUANTISE_CHUNK, out.numel()), dtype=torch.int64, device=out.device)
     for start in range(0, out.numel(), QUANTISE_CHUNK):
         part = out[start : start + QUANTISE_CHUNK]
-        values = torch.index_select(table, 0, codes[start : start + part.numel()].int())
-        padded = _blocks(values)
-        padded.mul_(absmax[start // BLOCK : start // BLOCK + padded.shape[0]].unsqueeze(1))
-        part.copy_(padded.view(-1)[: part.numel()])
+        size = part.numel()
+        index[:size].copy_(codes[start : start + size])
+        torch.index_select(table, 0, index[:size], out=part)
+        blocks = min(size, full - start) // BLOCK
+        if blocks:
+            part[: blocks * BLOCK].view(blocks, BLOCK).mul_(
+                absmax[start // BLOCK : start // BLOCK + blocks].unsqueeze(1)
+            )
+        if blocks * BLOCK < size:  # the short last block
+            part[blocks * BLOCK :].mul_(absmax[full // BLOCK])
 
 
 def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
