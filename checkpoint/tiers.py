@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from filelock import FileLock, Timeout
 
+from .._checks import default_of
 from .._closeable import Closeable
-from ..config import StoreConfig, TierConfig
+from ..config import CacheConfig, StoreConfig, StoreOptions, TierConfig
 from ..errors import (
     BackendIOError,
     ConfigError,
@@ -111,13 +112,14 @@ class CheckpointTier:
         *,
         read_only: bool = False,
         cache_budget: int = 0,
-        cache_resident: bool = False,
-        pack_below: int = 64 << 10,
-        memory_budget: int | None = None,
-        workers: int = 4,
+        cache_resident: bool = default_of(CacheConfig, "resident"),
+        pack_below: int = default_of(CacheConfig, "pack_below"),
+        memory_budget: int | None = default_of(StoreOptions, "memory_budget"),
+        workers: int = default_of(StoreOptions, "workers"),
     ) -> TierStore:
         """Open the persistent store ``store`` (``d-...`` or ``c-...``) of this tier (the arguments
-        are [`TierStore`][]'s).
+        are [`TierStore`][]'s, with their defaults but ``cache_budget``: none, as a store only read
+        or drained has nothing to stage).
 
         Raises:
             StoreLockedError: (writable) another process or store has it open.
