@@ -427,7 +427,11 @@ class StagedOptimizer(SavedState):
         gradient = device_bytes(FP32 * self._gradient_numel(self.subgroups))
         count = len(self.params)
         scalars = DEVICE_BLOCK * count + 3 * device_bytes(FP32 * count)
-        scratch = device_bytes(FP32 * self._scratch_numel(self.subgroups)) if self.precision.compressed else 0
+        scratch = (
+            device_bytes(FP32 * self._scratch_numel(self.subgroups, whole=True))
+            if self.precision.compressed
+            else 0
+        )
         return self.stager.slot_device_bytes + gradient + scalars + scratch
 
     # -- for the optimizers -------------------------------------------------------------------------

@@ -22,9 +22,10 @@ from ..buffers import aligned_tensor
 from ..errors import BufferMismatchError, ConfigError, StoreClosedError
 from ..snapshot import export_hdf5, open_snapshot
 from ..store import TierStore
+from .gradients import GRADIENT_CHUNK
 from .masters import check_layouts, check_own_masters, rounds_from, stale_entries, stale_masters_error
 from .partition import Piece, SubGroup
-from .state_precision import FP32_STATE, PackedLayout, RowKind, StatePrecision, state_precision
+from .state_precision import FP32_STATE, PackedLayout, RowKind, StatePrecision, spans, state_precision
 from .subgroup_stager import SubGroupStager
 
 
@@ -350,12 +351,23 @@ class SavedState(torch.optim.Optimizer):
         """fp32 words of the sub-group's stored object: its state in `precision`."""
         return self._packed_layout(sg).words if self.precision.compressed else self.state_numel(sg)
 
-    def _scratch_numel(self, subgroups: list[SubGroup]) -> int:
+    def _scratch_numel(self, subgroups: list[SubGroup], *, whole: bool = False) -> int:
         """fp32 values of the buffer a compressed sub-group of ``subgroups`` is unpacked into (0
-        for fp32 state, updated where it is staged)."""
+        for fp32 state, updated where it is staged): a span of it at a time on the CPU path
+        ([`spans`][tierstore.optimizer.state_precision.spans]), all of it with ``whole`` (the
+        device path's)."""
         if not self.precision.compressed:
             return 0
-        return max((self.state_numel(sg) for sg in subgroups), default=0)
+        if whole:
+            return max((self.state_numel(sg) for sg in subgroups), default=0)
+        return max(
+            (
+                self.state_numel(sg) // sg.numel * part.numel
+                for sg in subgroups
+                for _, part in spans(sg, GRADIENT_CHUNK)
+            ),
+            default=0,
+        )
 
     def _in_precision(
         self,
@@ -367,23 +379,32 @@ class SavedState(torch.optim.Optimizer):
     ) -> None:
         """Run ``work(sg, state, *args)`` on the sub-group's fp32 state: ``stored`` itself in fp32,
         else unpacked into a buffer on its device (not unpacked for ``work`` that writes all of
-        it: ``unpack`` False) and packed back into ``stored`` afterwards."""
+        it: ``unpack`` False) and packed back into ``stored`` afterwards; on the CPU path a span
+        at a time ([`spans`][tierstore.optimizer.state_precision.spans]: ``work`` runs on each
+        span's part of the sub-group), whose fp32 state stays in the CPU's cache."""
         if not self.precision.compressed:
             work(sg, stored, *args)
             return
-        numel = self.state_numel(sg)
+        rows_per_element = self.state_numel(sg) // sg.numel
         if stored.device.type == "cpu" and self.device is None:
+            parts = spans(sg, GRADIENT_CHUNK)
+            numel = max(rows_per_element * part.numel for _, part in parts)
             if self._scratch.numel() < numel:
                 self._scratch = aligned_tensor(self._scratch_numel(self.subgroups))
-            rows = self._scratch[:numel]
+            scratch = self._scratch
         else:  # the device path's: memory of the caller's stream
-            rows = torch.empty(numel, dtype=torch.float32, device=stored.device)
+            parts = ((0, sg),)
+            scratch = torch.empty(self.state_numel(sg), dtype=torch.float32, device=stored.device)
         layout = self._packed_layout(sg)
         windows = self._compensated_windows(sg)
-        if unpack:
-            layout.decode(stored, rows, windows)
-        work(sg, rows, *args)
-        layout.encode(rows, stored, [(offset, window.numel(), window.dtype) for offset, window in windows])
+        dtypes = [(offset, window.numel(), window.dtype) for offset, window in windows]
+        for start, part in parts:
+            rows = scratch[: rows_per_element * part.numel]
+            span = (start, start + part.numel)
+            if unpack:
+                layout.decode(stored, rows, windows, span=span)
+            work(part, rows, *args)
+            layout.encode(rows, stored, dtypes, span=span)
 
     def _compensated_windows(self, sg: SubGroup) -> list[tuple[int, torch.Tensor]]:
         """The sub-group's low-precision pieces (offset and parameter elements): where a

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import ConfigError
+from .partition import KERNEL_ALIGNMENT, Piece, SubGroup
 
 BLOCK = 256
 """Elements per quantisation block of an ``int8`` row (one fp32 absmax each)."""
@@ -260,7 +261,7 @@ def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: tor
     ``param_dtype``: ``master - rounded``, rounded to bf16 (at most half the parameter's resolution:
     ``param + compensation`` rounds back to the parameter, or lies exactly half-way, which
     [`settled_master`][] resolves)."""
-    compensation.copy_(master - master.to(param_dtype).float())
+    torch.sub(master, master.to(param_dtype), out=compensation)  # in fp32, rounded to bf16
 
 
 def settled_master(master: torch.Tensor, param: torch.Tensor) -> None:
@@ -353,8 +354,9 @@ class PackedLayout:
         windows: Sequence[tuple[int, torch.Tensor]] = (),
         *,
         settle: bool = False,
+        span: tuple[int, int] | None = None,
     ) -> None:
-        """Unpack into fp32 ``rows`` (``len(kinds) x numel``).
+        """Unpack into fp32 ``rows`` (``len(kinds) x numel``, or the span's length).
 
         Args:
             packed: the packed object (fp32 words).
@@ -364,54 +366,114 @@ class PackedLayout:
                 zero elsewhere.
             settle: hand out a compensated master its parameter rounds from ([`settled_master`][]),
                 rather than the one the update continues from.
+            span: the elements ``[start, stop)`` of each row only (``start`` a multiple of
+                [`BLOCK`][]); all of them if None.
         """
-        for segment, row in zip(self.segments, rows.view(len(self.kinds), self.numel), strict=True):
+        start, stop = (0, self.numel) if span is None else span
+        length = stop - start
+        for segment, row in zip(self.segments, rows.view(len(self.kinds), length), strict=True):
             if segment.format == "fp32":
-                row.copy_(self._view(packed, segment.offset, self.numel, torch.float32))
+                row.copy_(self._view(packed, segment.offset, self.numel, torch.float32)[start:stop])
             elif segment.format == "bf16":
-                row.copy_(self._view(packed, segment.offset, self.numel, torch.bfloat16))
+                row.copy_(self._view(packed, segment.offset, self.numel, torch.bfloat16)[start:stop])
             elif segment.format == "int8":
-                codes = packed.view(torch.uint8)[segment.offset : segment.offset + self.numel]
-                absmax = self._view(packed, segment.absmax_offset, -(-self.numel // BLOCK), torch.float32)
+                codes, absmax = self._quantised(packed, segment, start, stop)
                 dequantise_blockwise(codes, absmax, row, segment.kind == "signed")
             else:
                 compensation = self._view(packed, segment.offset, self.numel, torch.bfloat16)
                 row.zero_()
                 for offset, window in windows:
-                    part = row[offset : offset + window.numel()]
-                    part.copy_(window)
-                    part.add_(compensation[offset : offset + window.numel()])
+                    first, end = max(offset, start), min(offset + window.numel(), stop)
+                    if first >= end:
+                        continue
+                    part = row[first - start : end - start]
+                    part.copy_(window[first - offset : end - offset])
+                    part.add_(compensation[first:end])
                     if settle:
-                        settled_master(part, window)
+                        settled_master(part, window[first - offset : end - offset])
+
+    def _quantised(
+        self, packed: torch.Tensor, segment: Segment, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An ``int8`` segment's codes of elements ``[start, stop)`` and their blocks' maxima."""
+        codes = packed.view(torch.uint8)[segment.offset + start : segment.offset + stop]
+        absmax = self._view(packed, segment.absmax_offset, -(-self.numel // BLOCK), torch.float32)
+        return codes, absmax[start // BLOCK : -(-stop // BLOCK)]
 
     def encode(
-        self, rows: torch.Tensor, packed: torch.Tensor, dtypes: Sequence[tuple[int, int, torch.dtype]] = ()
+        self,
+        rows: torch.Tensor,
+        packed: torch.Tensor,
+        dtypes: Sequence[tuple[int, int, torch.dtype]] = (),
+        *,
+        span: tuple[int, int] | None = None,
     ) -> None:
         """Pack fp32 ``rows`` into ``packed``.
 
         Args:
-            rows: the fp32 state (``len(kinds) x numel``).
+            rows: the fp32 state (``len(kinds) x numel``, or the span's length).
             packed: the packed object (fp32 words), written.
             dtypes: for a compensated master, each low-precision piece's offset, length and
                 parameter dtype; the compensation is zero elsewhere.
+            span: the elements ``[start, stop)`` of each row only (``start`` a multiple of
+                [`BLOCK`][], ``stop`` too or the row's end); all of them if None.
         """
+        start, stop = (0, self.numel) if span is None else span
         raw = packed.view(torch.uint8)
-        for start, end in self._padding:
-            raw[start:end].zero_()
-        for segment, row in zip(self.segments, rows.view(len(self.kinds), self.numel), strict=True):
+        for first, end in self._padding:
+            raw[first:end].zero_()
+        for segment, row in zip(self.segments, rows.view(len(self.kinds), stop - start), strict=True):
             if segment.format == "fp32":
-                self._view(packed, segment.offset, self.numel, torch.float32).copy_(row)
+                self._view(packed, segment.offset, self.numel, torch.float32)[start:stop].copy_(row)
             elif segment.format == "bf16":
-                self._view(packed, segment.offset, self.numel, torch.bfloat16).copy_(row)
+                self._view(packed, segment.offset, self.numel, torch.bfloat16)[start:stop].copy_(row)
             elif segment.format == "int8":
-                codes = packed.view(torch.uint8)[segment.offset : segment.offset + self.numel]
-                absmax = self._view(packed, segment.absmax_offset, -(-self.numel // BLOCK), torch.float32)
+                codes, absmax = self._quantised(packed, segment, start, stop)
                 quantise_blockwise(row, codes, absmax, segment.kind == "signed")
             else:
-                compensation = self._view(packed, segment.offset, self.numel, torch.bfloat16)
+                compensation = self._view(packed, segment.offset, self.numel, torch.bfloat16)[start:stop]
                 compensation.zero_()
                 for offset, length, dtype in dtypes:
-                    compensate(row[offset : offset + length], dtype, compensation[offset : offset + length])
+                    first, end = max(offset, start) - start, min(offset + length, stop) - start
+                    if first < end:
+                        compensate(row[first:end], dtype, compensation[first:end])
+
+
+@functools.lru_cache(maxsize=4096)
+def spans(sg: SubGroup, length: int) -> tuple[tuple[int, SubGroup], ...]:
+    """The sub-group cut into spans of about ``length`` elements (a multiple of [`BLOCK`][]), to
+    be unpacked, updated and packed one at a time while they are in the CPU's cache: each span's
+    start and its part of the sub-group (its pieces, cut and counted from the span's start).
+
+    A span starts at a multiple of [`BLOCK`][] (its blocks are the sub-group's) and cuts a piece
+    only at a multiple of [`KERNEL_ALIGNMENT`][tierstore.optimizer.partition.KERNEL_ALIGNMENT]
+    from its parameter's start (the update gives each element the bits it gets over the whole
+    sub-group); where no such cut lies near ``length``, a span is longer.
+    """
+    cuts = [0]
+    for piece in sg.pieces:
+        end = piece.offset + piece.length
+        aligned = (piece.param_offset - piece.offset) % KERNEL_ALIGNMENT == 0
+        first = -(-piece.offset // BLOCK) * BLOCK  # the piece's first multiple of BLOCK
+        while end - cuts[-1] > length and first < end:
+            cut = max(first, (cuts[-1] + length) // BLOCK * BLOCK) if aligned else piece.offset
+            if cut <= cuts[-1] or (cut != first and not aligned):
+                break
+            cuts.append(cut)
+    parts = []
+    for start, stop in zip(cuts, [*cuts[1:], sg.numel], strict=True):
+        pieces = tuple(
+            Piece(
+                piece.param,
+                piece.param_offset + max(start - piece.offset, 0),
+                max(piece.offset - start, 0),
+                min(piece.offset + piece.length, stop) - max(piece.offset, start),
+            )
+            for piece in sg.pieces
+            if piece.offset < stop and piece.offset + piece.length > start
+        )
+        parts.append((start, SubGroup(sg.index, sg.group, stop - start, pieces)))
+    return tuple(parts)
 
 
 def bytes_per_element(kinds: Sequence[RowKind], precision: StatePrecision) -> float:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from tierstore.optimizer.partition import KERNEL_ALIGNMENT, partition
 from tierstore.optimizer.state_precision import (
     BLOCK,
     PRESETS,
@@ -18,6 +19,7 @@ from tierstore.optimizer.state_precision import (
     dynamic_map,
     quantise_blockwise,
     settled_master,
+    spans,
     state_precision,
 )
 
@@ -217,3 +219,29 @@ def test_state_precision_takes_presets_and_formats_and_refuses_the_rest() -> Non
     for bad in ("int4", 8, None, {"moments": "fp8"}, wrong_master, {"other": 1}):
         with pytest.raises(ConfigError, match=r"^state_precision: "):
             state_precision(bad)
+
+
+@pytest.mark.parametrize("sizes", [[5000], [640, 4100, 3], [1000, 77, 2600, 1280, 64]])
+def test_spans_cut_at_blocks_and_aligned_parameter_offsets_and_cover_the_sub_group(sizes: list[int]) -> None:
+    """Each span starts on a block of the sub-group; a piece is cut only at an aligned offset of
+    its parameter; the spans' pieces are the sub-group's, rebased to each span's start."""
+    for sg in partition([list(enumerate(sizes))], 6000):
+        parts = spans(sg, 2 * BLOCK)
+        assert parts[0][0] == 0 and len(parts) > 1
+        covered = []
+        for (start, part), (stop, _) in zip(parts, [*parts[1:], (sg.numel, None)], strict=True):
+            assert start % BLOCK == 0 and part.numel == stop - start and part.group == sg.group
+            for piece in part.pieces:
+                assert piece.offset >= 0 and piece.offset + piece.length <= part.numel
+                covered.append((piece.param, piece.param_offset, start + piece.offset, piece.length))
+        assert covered == sorted(covered, key=lambda c: c[2])
+        merged: list[list[int]] = []
+        for param, param_offset, offset, length in covered:
+            if merged and merged[-1][0] == param and merged[-1][1] + merged[-1][3] == param_offset:
+                assert param_offset % KERNEL_ALIGNMENT == 0  # a cut inside a piece
+                merged[-1][3] += length
+            else:
+                merged.append([param, param_offset, offset, length])
+        assert [tuple(m) for m in merged] == [
+            (p.param, p.param_offset, p.offset, p.length) for p in sg.pieces
+        ]

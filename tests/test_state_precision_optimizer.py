@@ -12,7 +12,8 @@ import torch
 from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO
 from tierstore.optimizer.device import DeviceStager
-from tierstore.optimizer.state_precision import PRESETS, fp32_state_dict
+from tierstore.optimizer.gradients import GRADIENT_CHUNK
+from tierstore.optimizer.state_precision import PRESETS, fp32_state_dict, spans
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -252,3 +253,32 @@ def test_fp32_is_the_state_as_without_the_option(tmp_path: Path) -> None:
         for sg in plain.subgroups:
             assert torch.equal(fp32.stager.read(sg.index), plain.stager.read(sg.index))
         assert "packed_state" not in fp32.state_dict() and fp32._scratch.numel() == 0
+
+
+def test_the_cpu_paths_spans_give_the_whole_sub_groups_bits(tmp_path: Path) -> None:
+    """The CPU path unpacks, updates and packs a sub-group larger than a span a span at a time, cut
+    inside pieces that start aligned and between pieces that do not; it trains to the bits of the
+    device path, which updates the whole sub-group at once."""
+    shapes = [(600_064,), (1001, 600), (640_000,)]  # the third starts off the kernel's alignment
+    device = ShuffledDevice(1)
+    with make_store(tmp_path, "dram") as device_store, make_store(tmp_path, "dram") as host_store:
+        device_store._operations.device.runtime = device
+        torch.manual_seed(0)
+        in_host = [torch.nn.Parameter(torch.randn(shape).to(torch.bfloat16)) for shape in shapes]
+        on_device = [device.tensor(p.detach().clone()).requires_grad_() for p in in_host]
+        options = {"sub_group_size": 2_000_000, "state_precision": "int8-compensated"}
+        ours = OffloadedAdamW(in_host, host_store, lr=1e-2, **options)
+        theirs = OffloadedAdamW(on_device, device_store, lr=1e-2, **options)
+        assert [start for start, _ in spans(ours.subgroups[0], GRADIENT_CHUNK)] == [0, 524_288, 1_048_576]
+        for step in range(3):
+            for optimizer, params in ((ours, in_host), (theirs, on_device)):
+                generator = torch.Generator().manual_seed(step)
+                for param in params:
+                    grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+                    param.grad = device.tensor(grad) if params is on_device else grad
+                optimizer.step()
+            device.run_all()
+        for mine, reference in zip(in_host, on_device, strict=True):
+            assert torch.equal(mine.detach(), reference.detach().as_subclass(torch.Tensor))
+        saved, expected = ours.state_dict()["packed_state"], theirs.state_dict()["packed_state"]
+        assert torch.equal(saved["subgroups"][0]["data"], expected["subgroups"][0]["data"])
