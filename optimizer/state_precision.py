@@ -18,9 +18,10 @@ fp32 moments, 12 bytes per parameter each way (8 for an fp32 parameter, its own 
   its own master in every format.
 
 Each sub-group is dequantised into fp32, updated by the optimizer's own fp32 kernel and quantised
-back, so blocks never straddle sub-groups (each row's blocks start at the sub-group's start). The
-kernels are torch operations over whole rows (no Python loop per block) and run wherever the
-tensors are: the CPU path and the device path share them.
+back, so blocks never straddle sub-groups (each row's blocks start at the sub-group's start); the
+CPU path does so a span of it at a time ([`spans`][]), while the span's fp32 state is in the CPU's
+cache. The kernels are torch operations over whole rows (no Python loop per block) and run
+wherever the tensors are: the CPU path and the device path share them.
 """
 
 from __future__ import annotations
@@ -446,9 +447,9 @@ def spans(sg: SubGroup, length: int) -> tuple[tuple[int, SubGroup], ...]:
     start and its part of the sub-group (its pieces, cut and counted from the span's start).
 
     A span starts at a multiple of [`BLOCK`][] (its blocks are the sub-group's) and cuts a piece
-    only at a multiple of [`KERNEL_ALIGNMENT`][tierstore.optimizer.partition.KERNEL_ALIGNMENT]
-    from its parameter's start (the update gives each element the bits it gets over the whole
-    sub-group); where no such cut lies near ``length``, a span is longer.
+    only at a multiple of ``KERNEL_ALIGNMENT`` from its parameter's start (the update gives each
+    element the bits it gets over the whole sub-group); where no such cut lies near ``length``, a
+    span is longer.
     """
     cuts = [0]
     for piece in sg.pieces:
