@@ -36,6 +36,9 @@ COMMANDS: dict[str, str] = {
     "apollo": "-m benchmarks.bench_apollo --output benchmarks/results/apollo.json",
     "apollo_quality": "-m benchmarks.quality_apollo --output benchmarks/results/apollo_quality.json "
     "--plot benchmarks/results/apollo_quality.png",
+    "state_precision_quality": "-m benchmarks.quality_state_precision "
+    "--output benchmarks/results/state_precision_quality.json "
+    "--plot benchmarks/results/state_precision_quality.png",
     "deepspeed": "-m benchmarks.bench_deepspeed --steps 5 --repeats 3 "
     "--output benchmarks/results/deepspeed.json",
     "activations": "-m benchmarks.bench_activations --repeats 3 --output benchmarks/results/activations.json",
@@ -257,6 +260,45 @@ def apollo_quality(data: dict[str, Any]) -> str:
         ["fp32 state, relative to AdamW's", _x(summary["state_bytes_vs_adamw"], 3), ""],
     ]
     return _table(["", "APOLLO-Mini", "AdamW"], rows)
+
+
+def state_precision_quality(data: dict[str, Any]) -> str:
+    summary = data["summary"]
+    rows = [
+        [
+            model,
+            "torch `AdamW(fused=True)`" if name == "torch-adamw" else f"tierstore `{name}`",
+            f"{run['final_loss']:.4f}",
+            _x(run["final_loss_over_torch"], 4),
+            f"{run['final_validation_loss']:.4f}",
+            _x(run["final_validation_loss_over_torch"], 4),
+            "diverged" if run["diverged"] else "yes" if run["within_target"] else "no",
+        ]
+        for model, runs in summary.items()
+        if model != "fine-tuning"
+        for name, run in runs.items()
+    ]
+    header = ["model", "optimizer", "final loss", "over torch's", "validation loss", "over torch's"]
+    table = _table([*header, "within target"], rows)
+    if "fine-tuning" not in summary:
+        return table
+    labels = {
+        "torch-adamw-bf16": "torch `AdamW(fused=True)` on the bf16 parameters (no master)",
+        "fp32": "tierstore `fp32` (fp32 master weights)",
+    }
+    fine = [
+        [
+            labels.get(name, f"tierstore `{name}`"),
+            f"{run['start_validation_loss']:.4f}",
+            f"{run['final_validation_loss']:.4f}",
+            "n/a"
+            if run["improvement_over_fp32_masters"] is None
+            else _x(run["improvement_over_fp32_masters"], 3),
+        ]
+        for name, run in summary["fine-tuning"].items()
+    ]
+    header = ["bf16 fine-tuning", "validation loss before", "after", "improvement over fp32 masters'"]
+    return table + "\n" + _table(header, fine)
 
 
 def deepspeed(data: dict[str, Any]) -> str:
@@ -490,6 +532,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "mlp_offload_prediction": mlp_offload_prediction,
     "apollo": apollo,
     "apollo_quality": apollo_quality,
+    "state_precision_quality": state_precision_quality,
     "deepspeed": deepspeed,
     "activations": activations,
     "checkpoint": checkpoint,
