@@ -389,6 +389,23 @@ def bounded(run: dict[str, Any], directory: Path, beside: list[str] | None = Non
     }
 
 
+def run_metadata(args: argparse.Namespace, directory: Path, started: float) -> dict[str, Any]:
+    """The run's metadata: its sizes and repeats, where and with what it ran, and its duration
+    since ``started`` (a ``time.perf_counter()``)."""
+    return {
+        **metadata(
+            directory,
+            state_bytes=args.state,
+            state_precision=args.state_precision,
+            dram_budget_bytes=args.budget,
+            subgroup_numel=args.numel,
+            steps=args.steps,
+            repeats=args.repeats,
+        ),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+
+
 def child_command(side: str, args: argparse.Namespace, directory: Path) -> list[str]:
     return [
         *module_command("bench_optimizer"),
@@ -443,18 +460,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     predicted = [predicted_over_measured(r) for r in runs["tierstore"]]
     return {
         "benchmark": "optimizer_update_phase",
-        "metadata": {
-            **metadata(
-                directory,
-                state_bytes=args.state,
-                state_precision=args.state_precision,
-                dram_budget_bytes=args.budget,
-                subgroup_numel=args.numel,
-                steps=args.steps,
-                repeats=args.repeats,
-            ),
-            "elapsed_s": round(time.perf_counter() - started, 1),
-        },
+        "metadata": run_metadata(args, directory, started),
         "runs": runs,
         "profile_seconds": profile,
         "summary": {

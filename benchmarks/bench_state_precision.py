@@ -25,8 +25,8 @@ from typing import Any
 
 from tierstore.optimizer.state_precision import PRESETS
 
-from .bench_optimizer import SIZES, child, steady
-from .common import log, metadata, parse_size, run_benchmark, spread
+from .bench_optimizer import SIZES, child, run_metadata, steady
+from .common import log, parse_size, run_benchmark, spread
 
 SIDES = ("deepspeed", "fp32", "compressed")
 
@@ -56,18 +56,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     bytes_moved = {side: moved(runs[side][0]) for side in SIDES}
     return {
         "benchmark": "state_precision_update",
-        "metadata": {
-            **metadata(
-                directory,
-                state_bytes=args.state,
-                state_precision=args.state_precision,
-                dram_budget_bytes=args.budget,
-                subgroup_numel=args.numel,
-                steps=args.steps,
-                repeats=args.repeats,
-            ),
-            "elapsed_s": round(time.perf_counter() - started, 1),
-        },
+        "metadata": run_metadata(args, directory, started),
         "runs": runs,
         "summary": {
             "update_s": {side: spread(update[side]) for side in SIDES},
