@@ -181,6 +181,24 @@ def test_bad_precisions_and_fp32_only_optimizers_are_refused(tmp_path: Path) -> 
             OffloadedAPOLLO(model(torch.float32), store, state_precision="int8")
 
 
+def step_side_by_side(
+    device: ShuffledDevice,
+    sides: list[tuple[OffloadedAdamW, list[torch.Tensor]]],
+    on_device: list[torch.Tensor],
+    steps: int,
+) -> None:
+    """``steps`` steps of each optimizer over its parameters, step ``n``'s gradients drawn from seed
+    ``n`` for every side (made device tensors for ``on_device``); the device runs after each step."""
+    for step in range(steps):
+        for optimizer, params in sides:
+            generator = torch.Generator().manual_seed(step)
+            for param in params:
+                grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+                param.grad = device.tensor(grad) if params is on_device else grad
+            optimizer.step()
+        device.run_all()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int8-compensated"])
 @pytest.mark.parametrize("budgets", [{}, {"gpu_budget": "1MiB"}], ids=["streamed", "kept on the device"])
 def test_the_device_path_runs_the_same_kernels(
@@ -195,14 +213,7 @@ def test_the_device_path_runs_the_same_kernels(
         on_device = [device.tensor(p.detach().clone()).requires_grad_() for p in in_host]
         ours = adamw(device_store, on_device, precision, **budgets)
         theirs = adamw(host_store, in_host, precision)
-        for step in range(4):
-            for optimizer, params in ((ours, on_device), (theirs, in_host)):
-                generator = torch.Generator().manual_seed(step)
-                for param in params:
-                    grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-                    param.grad = device.tensor(grad) if params is on_device else grad
-                optimizer.step()
-            device.run_all()
+        step_side_by_side(device, [(ours, on_device), (theirs, in_host)], on_device, steps=4)
         for mine, reference in zip(on_device, in_host, strict=True):
             assert torch.equal(mine.detach().as_subclass(torch.Tensor), reference.detach())
         saved, expected = ours.state_dict()["packed_state"], theirs.state_dict()["packed_state"]
@@ -273,14 +284,7 @@ def test_the_cpu_paths_spans_give_the_whole_sub_groups_bits(tmp_path: Path) -> N
             for params, store in ((in_host, host_store), (on_device, device_store))
         )
         assert [start for start, _ in spans(ours.subgroups[0], GRADIENT_CHUNK)] == [0, 524_288, 1_048_576]
-        for step in range(2):
-            for optimizer, params in ((ours, in_host), (theirs, on_device)):
-                generator = torch.Generator().manual_seed(step)
-                for param in params:
-                    grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-                    param.grad = device.tensor(grad) if params is on_device else grad
-                optimizer.step()
-            device.run_all()
+        step_side_by_side(device, [(ours, in_host), (theirs, on_device)], on_device, steps=2)
         for mine, reference in zip(in_host, on_device, strict=True):
             assert torch.equal(mine.detach(), reference.detach().as_subclass(torch.Tensor))
         saved, expected = ours.state_dict()["packed_state"], theirs.state_dict()["packed_state"]
