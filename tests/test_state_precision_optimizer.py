@@ -183,8 +183,8 @@ def test_bad_precisions_and_fp32_only_optimizers_are_refused(tmp_path: Path) -> 
 
 def step_side_by_side(
     device: ShuffledDevice,
-    sides: list[tuple[OffloadedAdamW, list[torch.Tensor]]],
-    on_device: list[torch.Tensor],
+    sides: Sequence[tuple[OffloadedAdamW, Sequence[torch.Tensor]]],
+    on_device: Sequence[torch.Tensor],
     steps: int,
 ) -> None:
     """``steps`` steps of each optimizer over its parameters, step ``n``'s gradients drawn from seed
