@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -295,16 +296,36 @@ def twin_parameters(
     return model, reference
 
 
+@dataclass(frozen=True)
+class TrainingLoop:
+    """How :func:`train_against_reference` trains both optimizers.
+
+    Attributes:
+        steps: how many steps; the gradients are drawn from torch's global generator.
+        max_grad_norm: the clipping norm, or None for no clipping (the optimizer under test is
+            built with the same norm).
+        grad_scale: the loss scale the gradients carry.
+        overflow_at: a step whose gradients hold an inf, which the optimizer under test must skip
+            (the reference skips it too), or None.
+    """
+
+    steps: int = 20
+    max_grad_norm: float | None = None
+    grad_scale: float = 1.0
+    overflow_at: int | None = None
+
+
+PLAIN_LOOP = TrainingLoop()
+"""Twenty steps without clipping, loss scale or overflow."""
+
+
 def train_against_reference(
     optimizer: LossScaledOptimizer,
     model: list[torch.nn.Parameter],
     expected: torch.optim.Optimizer,
     reference: list[torch.nn.Parameter],
+    loop: TrainingLoop,
     *,
-    steps: int,
-    max_grad_norm: float | None = None,
-    grad_scale: float = 1.0,
-    overflow_at: int | None = None,
     overflow_element: tuple[int, ...] = (1, 3),
 ) -> None:
     """A mixed-precision training loop for ``optimizer`` over ``model``, and the same loop in fp32
@@ -312,32 +333,28 @@ def train_against_reference(
 
     Args:
         optimizer: the optimizer under test; it gets each gradient in its parameter's dtype,
-            multiplied by ``grad_scale``, and unscales (and clips) it itself.
+            multiplied by ``loop.grad_scale``, and unscales (and clips) it itself.
         model: ``optimizer``'s parameters.
         expected: the reference optimizer; it gets the same gradients in fp32, unscaled and
-            clipped to ``max_grad_norm`` (if given) by ``torch.nn.utils.clip_grad_norm_``.
+            clipped to ``loop.max_grad_norm`` (if set) by ``torch.nn.utils.clip_grad_norm_``.
         reference: ``expected``'s parameters, twins of ``model`` (see :func:`twin_parameters`).
-        steps: how many steps; the gradients are drawn from torch's global generator.
-        max_grad_norm: the clipping norm, or None for no clipping.
-        grad_scale: the loss scale the gradients carry.
-        overflow_at: a step whose gradients hold an inf, which ``optimizer`` must skip (the
-            reference skips it too), or None.
-        overflow_element: where that inf is: the gradient's index in ``model``, then the
-            element's index in that gradient.
+        loop: the steps, clipping, loss scale and overflowing step.
+        overflow_element: where the inf of ``loop.overflow_at`` is: the gradient's index in
+            ``model``, then the element's index in that gradient.
     """
-    for step in range(steps):
-        grads = [torch.randn(param.shape).mul(grad_scale).to(param.dtype) for param in model]
-        if step == overflow_at:
+    for step in range(loop.steps):
+        grads = [torch.randn(param.shape).mul(loop.grad_scale).to(param.dtype) for param in model]
+        if step == loop.overflow_at:
             grads[overflow_element[0]][overflow_element[1:]] = float("inf")
         for param, grad in zip(model, grads, strict=True):
             param.grad = grad
-        optimizer.step(grad_scale=grad_scale)
-        if step == overflow_at:
+        optimizer.step(grad_scale=loop.grad_scale)
+        if step == loop.overflow_at:
             continue
         for param, grad in zip(reference, grads, strict=True):
-            param.grad = grad.float() / grad_scale
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(reference, max_grad_norm)
+            param.grad = grad.float() / loop.grad_scale
+        if loop.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference, loop.max_grad_norm)
         expected.step()
 
 

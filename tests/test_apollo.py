@@ -13,6 +13,8 @@ from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, partition_whole
 from tierstore import BufferMismatchError, ConfigError, TierStore
 
 from .helpers import (
+    PLAIN_LOOP,
+    TrainingLoop,
     assert_resume_equals_uninterrupted,
     make_store,
     relative_error,
@@ -71,31 +73,19 @@ def groups(params: list[torch.nn.Parameter], projection: dict[str, Any]) -> list
 
 
 def run_pair(
-    store: TierStore,
-    projection: dict[str, Any],
-    *,
-    steps: int = 20,
-    max_grad_norm: float | None = None,
-    grad_scale: float = 1.0,
-    overflow_at: int | None = None,
-    **options: Any,
+    store: TierStore, projection: dict[str, Any], loop: TrainingLoop = PLAIN_LOOP, **options: Any
 ) -> tuple[OffloadedAPOLLO, list[torch.nn.Parameter]]:
     model, reference = twin_parameters([*MATRICES, *VECTORS], torch.bfloat16)
     optimizer = OffloadedAPOLLO(
-        groups(model, projection), store, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm, **options
+        groups(model, projection),
+        store,
+        lr=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=loop.max_grad_norm,
+        **options,
     )
     expected = reference_optimizer()(groups(reference, projection), lr=1e-2, weight_decay=0.1)
-    train_against_reference(
-        optimizer,
-        model,
-        expected,
-        reference,
-        steps=steps,
-        max_grad_norm=max_grad_norm,
-        grad_scale=grad_scale,
-        overflow_at=overflow_at,
-        overflow_element=(2, 3, 4),
-    )
+    train_against_reference(optimizer, model, expected, reference, loop, overflow_element=(2, 3, 4))
     return optimizer, reference
 
 
@@ -123,9 +113,8 @@ def test_matches_apollo_torch(tmp_path: Path, kind: str, projection: dict[str, A
 @pytest.mark.parametrize("projection", [MINI, RANK4_CHANNEL], ids=["mini", "rank4-channel"])
 def test_clipping_and_loss_scaling_skip_an_overflow(tmp_path: Path, projection: dict[str, Any]) -> None:
     with make_store(tmp_path, "dram") as store:
-        optimizer, reference = run_pair(
-            store, projection, max_grad_norm=1.0, grad_scale=1024.0, overflow_at=7, sub_group_size=2000
-        )
+        loop = TrainingLoop(max_grad_norm=1.0, grad_scale=1024.0, overflow_at=7)
+        optimizer, reference = run_pair(store, projection, loop, sub_group_size=2000)
         assert optimizer.skipped_steps == 1 and optimizer.step_count == 19
         assert_matches(optimizer, reference)
 

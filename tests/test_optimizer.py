@@ -14,6 +14,8 @@ from tierstore.optimizer.partition import KERNEL_ALIGNMENT
 from tierstore import BufferMismatchError, CapacityError, ConfigError, StoreClosedError, TierStore
 
 from .helpers import (
+    PLAIN_LOOP,
+    TrainingLoop,
     assert_resume_equals_uninterrupted,
     make_store,
     relative_error,
@@ -31,11 +33,8 @@ def run_pair(
     store: TierStore,
     *,
     grad_dtype: torch.dtype,
-    steps: int = 20,
-    max_grad_norm: float | None = None,
+    loop: TrainingLoop = PLAIN_LOOP,
     weight_decay: float = 0.1,
-    grad_scale: float = 1.0,
-    overflow_at: int | None = None,
     **options: object,
 ) -> tuple[OffloadedAdamW, list[torch.nn.Parameter]]:
     model, reference = twin_parameters(SHAPES, grad_dtype)
@@ -44,21 +43,11 @@ def run_pair(
         store,
         lr=1e-2,
         weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm,
+        max_grad_norm=loop.max_grad_norm,
         **options,  # type: ignore[arg-type]
     )
     expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=weight_decay, foreach=False)
-    train_against_reference(
-        optimizer,
-        model,
-        expected,
-        reference,
-        steps=steps,
-        max_grad_norm=max_grad_norm,
-        grad_scale=grad_scale,
-        overflow_at=overflow_at,
-        overflow_element=(1, 3),
-    )
+    train_against_reference(optimizer, model, expected, reference, loop)
     return optimizer, reference
 
 
@@ -90,7 +79,7 @@ def test_clipping_and_weight_decay(tmp_path: Path, max_grad_norm: float | None, 
         optimizer, reference = run_pair(
             store,
             grad_dtype=torch.bfloat16,
-            max_grad_norm=max_grad_norm,
+            loop=TrainingLoop(max_grad_norm=max_grad_norm),
             weight_decay=weight_decay,
             sub_group_size=999,
         )
@@ -106,7 +95,10 @@ def test_gradients_converted_a_small_chunk_at_a_time_match_torch_adamw(
     monkeypatch.setattr(gradients, "GRADIENT_CHUNK", 64)
     with make_store(tmp_path, "nvme") as store:
         optimizer, reference = run_pair(
-            store, grad_dtype=torch.bfloat16, steps=5, max_grad_norm=max_grad_norm, sub_group_size=1500
+            store,
+            grad_dtype=torch.bfloat16,
+            loop=TrainingLoop(steps=5, max_grad_norm=max_grad_norm),
+            sub_group_size=1500,
         )
         assert_matches(optimizer, reference)
         assert optimizer.stager.working_bytes == 2 * optimizer.stager.slot_bytes + 4 * 64
@@ -130,14 +122,16 @@ def test_parameters_cut_across_sub_groups_and_chunks_match_torchs_fused_adamw_bi
         ]
         assert cut and all(piece.param_offset % KERNEL_ALIGNMENT == 0 for piece in cut)
         expected = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, fused=True)
-        train_against_reference(optimizer, model, expected, reference, steps=10)
+        train_against_reference(optimizer, model, expected, reference, TrainingLoop(steps=10))
         for got, want in zip(optimizer.master_params(), reference, strict=True):
             assert torch.equal(got, want.detach())
 
 
 def test_a_step_measures_its_own_compute_time_for_the_io_model(tmp_path: Path) -> None:
     with make_store(tmp_path, "nvme") as store:
-        optimizer, _ = run_pair(store, grad_dtype=torch.bfloat16, steps=1, sub_group_size=1500)
+        optimizer, _ = run_pair(
+            store, grad_dtype=torch.bfloat16, loop=TrainingLoop(steps=1), sub_group_size=1500
+        )
         for param in optimizer.params:
             param.grad = torch.ones_like(param)
         started = time.perf_counter()
@@ -151,9 +145,7 @@ def test_loss_scaling_skips_overflowing_steps(tmp_path: Path) -> None:
         optimizer, reference = run_pair(
             store,
             grad_dtype=torch.float16,
-            grad_scale=1024.0,
-            overflow_at=7,
-            max_grad_norm=1.0,
+            loop=TrainingLoop(max_grad_norm=1.0, grad_scale=1024.0, overflow_at=7),
             sub_group_size=2000,
         )
         assert optimizer.skipped_steps == 1 and optimizer.step_count == 19
@@ -162,7 +154,9 @@ def test_loss_scaling_skips_overflowing_steps(tmp_path: Path) -> None:
 
 def test_model_parameters_follow_the_master_weights(tmp_path: Path) -> None:
     with make_store(tmp_path, "dram") as store:
-        optimizer, _ = run_pair(store, grad_dtype=torch.bfloat16, steps=3, sub_group_size=700)
+        optimizer, _ = run_pair(
+            store, grad_dtype=torch.bfloat16, loop=TrainingLoop(steps=3), sub_group_size=700
+        )
         for param, master in zip(optimizer.params, optimizer.master_params(), strict=True):
             assert torch.equal(param.detach(), master.to(torch.bfloat16))
 
