@@ -43,7 +43,16 @@ from tierstore import Tier, TierStore
 from tierstore.app.demo import GPT, batch_of, byte_corpus
 
 from . import activations_gpu
-from .common import ROOT, log, metadata, module_command, parse_size, positive_int, run_variant_or_benchmark
+from .common import (
+    ROOT,
+    log,
+    metadata,
+    model_shape,
+    module_command,
+    parse_size,
+    positive_int,
+    run_variant_or_benchmark,
+)
 
 VARIANTS = ("keep", "recompute", "tierstore-all", "tierstore-lifetime")
 ALLOCATORS: dict[str, dict[str, str]] = {"default": {}, "mmap-1MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
@@ -204,9 +213,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "metadata": {
             **metadata(
                 directory,
-                layers=args.layers,
-                width=args.width,
-                tokens_per_step=args.batch * args.length,
+                **model_shape(args),
                 budget_bytes=args.budget,
                 min_bytes=args.min_bytes,
                 verify=args.verify,

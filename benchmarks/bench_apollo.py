@@ -36,7 +36,7 @@ from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer
 
 from tierstore import Tier, TierStore
 
-from .bench_optimizer import steady, timed_steps
+from .bench_optimizer import steady, timed_steps, update_phase
 from .common import ROOT, log, measure_fio, metadata, module_command, parse_size, run_benchmark, run_captured
 
 STATE_BYTES_PER_PARAM = 12  # AdamW: fp32 master weights + two moments
@@ -123,14 +123,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     return {
         "benchmark": "apollo_update_phase",
         "metadata": {
-            **metadata(
-                directory,
-                adamw_state_bytes=args.state,
-                dram_budget_bytes=args.budget,
-                subgroup_numel=args.numel,
-                matrix_rows=args.rows,
-                steps=args.steps,
-            ),
+            **metadata(directory, adamw_state_bytes=args.state, matrix_rows=args.rows, **update_phase(args)),
             "elapsed_s": round(time.perf_counter() - started, 1),
         },
         **sides,

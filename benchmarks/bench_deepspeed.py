@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import log, metadata, positive_int, run_benchmark, spread
+from .common import log, metadata, model_shape, positive_int, run_benchmark, spread
 
 PHASES = ("forward_s", "backward_s", "step_s", "iteration_s")
 
@@ -102,9 +102,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 parameters=args.parameters,
                 fp32_state_bytes=12 * args.parameters,
                 dram_budget_bytes=args.buffer_count * 4 * args.sub_group_size,
-                layers=args.layers,
-                width=args.width,
-                tokens_per_step=args.batch * args.length,
+                **model_shape(args),
                 sub_group_size=args.sub_group_size,
                 steps=args.steps,
                 repeats=args.repeats,

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, log, metadata, module_command, positive_int, run_benchmark, spread
+from .common import ROOT, log, metadata, model_shape, module_command, positive_int, run_benchmark, spread
 
 SIDES = ("torch", "tierstore")
 
@@ -333,9 +333,7 @@ def run(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 parameters=runs["torch"][0]["ranks"][0]["parameters"],
                 ranks=args.ranks,
                 setup=args.setup,
-                layers=args.layers,
-                width=args.width,
-                tokens_per_step=args.batch * args.length,
+                **model_shape(args),
                 sub_group_size=args.sub_group_size,
                 dram_budget_bytes=args.dram_budget,
                 tierstore_state_bytes_per_rank=state,

@@ -389,6 +389,12 @@ def bounded(run: dict[str, Any], directory: Path, beside: list[str] | None = Non
     }
 
 
+def update_phase(args: argparse.Namespace) -> dict[str, int]:
+    """An update-phase benchmark's settings in its metadata: the DRAM budget (``--budget``), the
+    elements per sub-group (``--numel``) and the steps (``--steps``)."""
+    return {"dram_budget_bytes": args.budget, "subgroup_numel": args.numel, "steps": args.steps}
+
+
 def run_metadata(args: argparse.Namespace, directory: Path, started: float) -> dict[str, Any]:
     """The run's metadata: its sizes and repeats, where and with what it ran, and its duration
     since ``started`` (a ``time.perf_counter()``)."""
@@ -397,9 +403,7 @@ def run_metadata(args: argparse.Namespace, directory: Path, started: float) -> d
             directory,
             state_bytes=args.state,
             state_precision=args.state_precision,
-            dram_budget_bytes=args.budget,
-            subgroup_numel=args.numel,
-            steps=args.steps,
+            **update_phase(args),
             repeats=args.repeats,
         ),
         "elapsed_s": round(time.perf_counter() - started, 1),
@@ -527,7 +531,7 @@ def scale(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     return {
         "benchmark": "optimizer_state_scale",
         "metadata": {
-            **metadata(directory, dram_budget_bytes=args.budget, subgroup_numel=args.numel, steps=args.steps),
+            **metadata(directory, **update_phase(args)),
             "elapsed_s": round(time.perf_counter() - started, 1),
         },
         "sizes": sizes,

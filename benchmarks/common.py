@@ -455,6 +455,12 @@ def cuda_run() -> dict[str, Any]:
     }
 
 
+def model_shape(args: argparse.Namespace) -> dict[str, int]:
+    """A training benchmark's model in its metadata: ``--layers`` blocks of ``--width``, fed
+    ``--batch`` sequences of ``--length`` tokens a step."""
+    return {"layers": args.layers, "width": args.width, "tokens_per_step": args.batch * args.length}
+
+
 def metadata(directory: Path, **fields: Any) -> dict[str, Any]:
     """Date, the benchmark's own ``fields``, then where and with what it ran."""
     return {
