@@ -12,11 +12,11 @@ construction.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..bandwidth import PathSpeed
 from ..config import StripeBy
-from ..pass_plan import stripe_weights, transfer_seconds
+from ..pass_plan import ExplainedPlan, stripe_weights, transfer_seconds
 from .spill_policy import ReadAhead, Residence, Room, SpillPolicy
 
 
@@ -32,7 +32,7 @@ class SavedTensor:
 
 
 @dataclass(frozen=True)
-class SpillPlan:
+class SpillPlan(ExplainedPlan):
     keep: list[int]
     """Tensors (indices in save order) kept in memory; the others are spilled."""
     spill: frozenset[int]
@@ -46,10 +46,6 @@ class SpillPlan:
     peak_resident_bytes: int
     spill_all_seconds: float
     """The same step with every tensor spilled (the ``"all"`` plan), for comparison."""
-    explanation: list[str] = field(default_factory=list)
-
-    def explain(self) -> str:
-        return "\n".join(self.explanation)
 
     def policy(self) -> SpillPolicy:
         """The policy a step following this plan runs under."""

@@ -77,7 +77,18 @@ def placement_speeds(store: TierStore) -> TierSpeeds:
 
 
 @dataclass(frozen=True)
-class PassPlan:
+class ExplainedPlan:
+    """A plan of the I/O model that says in words how it was made."""
+
+    explanation: list[str] = field(default_factory=list, kw_only=True)
+    """The reasoning, one line per step: the inputs, the choice and the predicted time."""
+
+    def explain(self) -> str:
+        return "\n".join(self.explanation)
+
+
+@dataclass(frozen=True)
+class PassPlan(ExplainedPlan):
     weights: list[float]
     keep: list[int]
     """Objects (indices into ``sizes``) to leave in DRAM at the end of the pass."""
@@ -88,10 +99,6 @@ class PassPlan:
     no_cache_seconds: float
     static_seconds: float
     """With MLP-Offload's static choice: the last K objects of the pass that fit."""
-    explanation: list[str] = field(default_factory=list)
-
-    def explain(self) -> str:
-        return "\n".join(self.explanation)
 
 
 def plan_pass(
