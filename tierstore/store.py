@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._closeable import Closeable
+from ._closeable import Closeable, ClosedOnError
 from ._futures import when_all
 from ._serial import KeyedSerializer
 from .backends import Backend
@@ -208,14 +208,10 @@ class TierStore(Closeable):
         """
         settings = load_config(default_config() if config is None else config)
         tiers: list[Tier] = []
-        try:
+        with ClosedOnError(tiers):
             for index, tier in enumerate(settings.tiers):
                 tiers.append(Tier.from_config(tier, where=f"tiers.{index}"))
             return cls(tiers, **settings.arguments(), read_only=read_only)
-        except BaseException:
-            for opened in tiers:
-                opened.close()
-            raise
 
     @property
     def device_runtime(self) -> DeviceRuntime:

@@ -26,6 +26,7 @@ import xxhash
 
 from . import placement as planner
 from ._checks import check_arguments, default_of
+from ._closeable import ClosedOnError
 from ._futures import when_all, with_failover
 from .backends import Backend, Location
 from .bandwidth import ProbeCache, stripe_weight
@@ -164,17 +165,13 @@ class Tier:
     def from_config(cls, config: TierConfig, where: str, probes: ProbeCache | None = None) -> Tier:
         """Open every path's backend (closing those already open if one fails)."""
         paths: list[TierPath] = []
-        try:
+        with ClosedOnError(paths):
             for index, path in enumerate(config.path_configs()):
                 at = f"{where}.paths.{index}" if config.paths is not None else where
                 paths.append(open_path(config, path, index, at, probes or ProbeCache()))
             return cls(
                 config.name, paths, config.capacity, placement=config.placement, stripe_by=config.stripe_by
             )
-        except BaseException:
-            for opened in paths:
-                opened.close()
-            raise
 
     @property
     def backend(self) -> Backend:
