@@ -1,4 +1,5 @@
-"""The ``with`` protocol of everything tierstore opens: leaving the block closes the object."""
+"""The ``with`` protocol of everything tierstore opens (leaving the block closes the object), and
+the block that closes an object's parts when building it fails."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class Closeable(ABC):
 
 
 class SupportsClose(Protocol):
+    """Anything with a ``close()``: a tier, a path, a backend."""
+
     def close(self) -> None: ...
 
 
