@@ -155,7 +155,7 @@ def test_resident_bytes_stay_within_a_small_budget(store: TierStore) -> None:
     assert reference.stats()["kept_bytes"] > 4 * 256 * KIB  # the budget really is a cut
 
 
-@pytest.mark.parametrize("release", ["reset", "next step"])
+@pytest.mark.parametrize("release", ["reset", "next-step"])
 def test_a_failed_backward_leaks_neither_memory_nor_objects(store: TierStore, release: str) -> None:
     """PyTorch holds a failed backward's graph until the thread's next backward: ``reset()`` lets
     go of it at once, and otherwise the next step does."""
