@@ -173,20 +173,26 @@ def rank_main(run: dict[str, Any]) -> None:
         figures[f"{name}_s"] = time.perf_counter() - started
         figures[f"{name}_rss_added_bytes"] = 1024 * (memory_kib("VmHWM") - before)
 
+    def torch_state() -> dict[str, Any]:
+        """What DCP saves and loads on torch's side: the model's and the optimizer's state dicts."""
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
     def save() -> None:
         if store is not None:
             fsdp.save(checkpoint, model, optimizer)  # type: ignore[arg-type]
         else:
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            dcp_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint)
+            dcp_save(torch_state(), checkpoint_id=checkpoint)
 
     def load() -> None:
         if store is not None:
             fsdp.load(checkpoint, model, optimizer)  # type: ignore[arg-type]
         else:
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            dcp_load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint)
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            state = torch_state()
+            dcp_load(state, checkpoint_id=checkpoint)
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
 
     dist.barrier()
     trim()
