@@ -21,7 +21,9 @@ Each sub-group is dequantised into fp32, updated by the optimizer's own fp32 ker
 back, so blocks never straddle sub-groups (each row's blocks start at the sub-group's start); the
 CPU path does so a span of it at a time ([`spans`][]), while the span's fp32 state is in the CPU's
 cache. The kernels are torch operations over whole rows (no Python loop per block) and run
-wherever the tensors are: the CPU path and the device path share them.
+wherever the tensors are: the CPU path and the device path share them. On a CPU, rows of
+[`FUSED_MIN_NUMEL`][] elements or more run them compiled by ``torch.compile``, each kernel one
+loop over memory, with the eager kernels' bits.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
-from typing import Any, Literal
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
@@ -42,6 +45,8 @@ BLOCK = 256
 
 QUANTISE_CHUNK = 1 << 18
 """Elements quantised at a time (a multiple of [`BLOCK`][]): bounds the kernels' temporaries."""
+
+_Result = TypeVar("_Result")
 
 ALIGNMENT = 64
 """Bytes: every segment of a packed sub-group starts at a multiple of this."""
@@ -115,8 +120,8 @@ def state_precision(value: object, where: str = "state_precision") -> StatePreci
 
 
 @functools.cache
-def _maps(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dynamic-tree map (CPU, fp32, sorted) and the midpoints between its neighbours."""
+def _map(signed: bool) -> torch.Tensor:
+    """The dynamic-tree map (CPU, fp32, sorted)."""
     decades = 7 if signed else 8  # the sign takes a bit of the signed map
     values = [0.0]
     for exponent in range(decades):  # decade 10^(exponent - decades + 1), 2^exponent fractions
@@ -126,16 +131,22 @@ def _maps(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         values += [scale * fraction for fraction in fractions]
         if signed:
             values += [-scale * fraction for fraction in fractions]
-    table = torch.tensor(sorted(values), dtype=torch.float32)
-    return table, (table[1:] + table[:-1]) / 2
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@functools.cache
+def _dequantisation_table(signed: bool) -> torch.Tensor:
+    """Each code's value: the map, NaN past its end (the signed map's 255 entries leave the code
+    255 unused), so that every byte indexes the table."""
+    return torch.nn.functional.pad(_map(signed), (0, 256 - _map(signed).numel()), value=math.nan)
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
     """The 8-bit dynamic-tree map of normalised values (fp32, sorted, at most 256 entries): 0, and
     per decimal exponent ``d`` (10^-6..10^0 signed, 10^-7..10^0 non-negative) the fractions
     ``0.1 + 0.9 k / 2^i`` (``k = 1..2^i``, ``i`` counting decades up from the smallest) times 10^d,
-    with both signs for the signed map: 255 entries either way, ±1.0 among them."""
-    return _maps(signed)[0].clone()
+    with both signs for the signed map: 255 entries signed, 256 non-negative, ±1.0 among them."""
+    return _map(signed).clone()
 
 
 _BUCKET_SHIFT = 15
@@ -158,7 +169,7 @@ def _bucket_table(signed: bool, device: torch.device) -> torch.Tensor:
     the code exactly when the value lies beyond that midpoint. Beyond ±1 (a block whose absmax is
     NaN, where the block is divided by 1) a bucket holds the code of ±1, and NaN the code of 1, as
     comparisons with NaN are false; a negative value of the non-negative map takes the code of 0."""
-    table = _maps(signed)[0]
+    table = _map(signed)
     positive = table[table >= 0]
     midpoints = (positive[1:] + positive[:-1]) / 2
     count = (int(torch.tensor(1.0).view(torch.int32)) >> _BUCKET_SHIFT) + 1
@@ -192,12 +203,89 @@ def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
 
 
-def _blocks(row: torch.Tensor) -> torch.Tensor:
-    """A row as blocks of [`BLOCK`][] (the last zero-padded, in a copy, if it is short)."""
-    blocks = -(-row.numel() // BLOCK)
-    if blocks * BLOCK == row.numel():
-        return row.view(blocks, BLOCK)
-    return torch.nn.functional.pad(row, (0, blocks * BLOCK - row.numel())).view(blocks, BLOCK)
+def _padded(short: torch.Tensor) -> torch.Tensor:
+    """A row's short last block as one zero-padded block (``1 x BLOCK``, a copy)."""
+    return torch.nn.functional.pad(short, (0, BLOCK - short.numel())).view(1, BLOCK)
+
+
+def _quantise_blocks(
+    blocks: torch.Tensor, table: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: torch.Tensor
+) -> None:
+    """The kernel of [`quantise_blockwise`][]: fp32 ``blocks`` (``n x BLOCK``) as uint8 ``codes``
+    (``n x BLOCK``) and their largest magnitudes ``absmax`` (``n``), by ``table``
+    ([`_bucket_table`][])."""
+    peak = blocks.abs().amax(dim=1)
+    peak = torch.where(peak.isnan(), math.nan, peak)  # one NaN's bits, however the maximum is taken
+    normalised = blocks / torch.where(peak > 0, peak, 1.0).unsqueeze(1)
+    bits = normalised.view(torch.int32)
+    entry = (table[(bits >> _BUCKET_SHIFT) & (table.numel() - 1)] + (bits & _LOW_BITS)) >> _BUCKET_SHIFT
+    if signed:  # inverted for a negative value
+        entry = entry ^ (bits >> 31)
+    codes.copy_(entry)
+    absmax.copy_(peak)
+
+
+def _dequantise_blocks(
+    codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, out: torch.Tensor
+) -> None:
+    """The kernel of [`dequantise_blockwise`][]: uint8 ``codes`` (``n x BLOCK``) as fp32 ``out``,
+    each code's ``table`` entry (256 of them) times its block's ``absmax`` (``n``)."""
+    out.copy_(table[codes.int()] * absmax.unsqueeze(1))
+
+
+def _compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
+    """The kernel of [`compensate`][]: ``master`` less its rounding to ``param_dtype``, in fp32,
+    rounded to bf16 into ``compensation``."""
+    compensation.copy_(master - master.to(param_dtype).float())
+
+
+FUSED_MIN_NUMEL = 1 << 16
+"""Elements from which a CPU runs the kernels above compiled (``torch.compile``: each one loop that
+reads its inputs once and writes its outputs once, instead of an operation at a time) rather than
+eagerly; fewer are not worth a compilation, the first in a process (seconds, each kernel's
+machine code then cached on disk by torch's inductor for later processes). Both give the same
+bits: the same fp32 operations in the same order, with no contraction into fused multiply-adds.
+The device path runs them eagerly, where each operation already streams at the device's memory
+bandwidth."""
+
+_unfused_reason: list[str] = []
+"""Why the CPU kernels are not compiled in this process (empty while they are): the compiler's
+failure, once, after which every kernel runs eagerly."""
+
+
+@functools.cache
+def _compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    # The first call's sizes compiled, then every size the second call changes (a row's length):
+    # one recompilation. Indices need no bound checks: they are masked or one byte, into tables of
+    # 2^17 and 256 entries. Roundings to bf16 stay in: inductor would otherwise keep fp32 values
+    # across a cast to bf16 and back, and lose the compensation.
+    return torch.compile(
+        kernel, fullgraph=True, options={"assert_indirect_indexing": False, "emulate_precision_casts": True}
+    )
+
+
+def _kernel(kernel: Callable[..., _Result], like: torch.Tensor) -> Callable[..., _Result]:
+    """``kernel`` as it runs on tensors like ``like``: compiled on a CPU from [`FUSED_MIN_NUMEL`][]
+    elements on (unless compiling failed in this process: then, with a warning, eagerly), else
+    eagerly."""
+    if like.device.type != "cpu" or like.numel() < FUSED_MIN_NUMEL or _unfused_reason:
+        return kernel
+    compiled = _compiled(kernel)
+
+    def run(*args: Any) -> _Result:
+        try:
+            return cast(_Result, compiled(*args))
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            _unfused_reason.append(f"{type(error.inner_exception).__name__}: {error.inner_exception}")
+            warnings.warn(
+                f"tierstore: compressed optimizer state runs its CPU kernels eagerly (slower, the "
+                f"same bits): torch.compile failed ({_unfused_reason[0][:300]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return kernel(*args)
+
+    return run
 
 
 def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
@@ -213,48 +301,32 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
         signed: the signed map (a moment of either sign) or the non-negative one.
     """
     table = _bucket_table(signed, values.device)
-    chunk = min(QUANTISE_CHUNK, -(-values.numel() // BLOCK) * BLOCK)
-    normalised = torch.empty(chunk, dtype=torch.float32, device=values.device)
-    bits = normalised.view(torch.int32)
-    bucket = torch.empty(chunk, dtype=torch.int64, device=values.device)
-    entry, low = (torch.empty(chunk, dtype=torch.int32, device=values.device) for _ in range(2))
-    for start in range(0, values.numel(), QUANTISE_CHUNK):
-        part = values[start : start + QUANTISE_CHUNK]
-        padded = _blocks(part)
-        size = padded.numel()
-        peak = absmax[start // BLOCK : start // BLOCK + padded.shape[0]]
-        torch.amax(torch.abs(padded, out=normalised[:size].view_as(padded)), dim=1, out=peak)
-        torch.div(
-            padded, torch.where(peak > 0, peak, 1.0).unsqueeze(1), out=normalised[:size].view_as(padded)
+    full = values.numel() // BLOCK
+    kernel = _kernel(_quantise_blocks, values)
+    for first in range(0, full, QUANTISE_CHUNK // BLOCK):
+        last = min(first + QUANTISE_CHUNK // BLOCK, full)
+        window = slice(first * BLOCK, last * BLOCK)
+        kernel(
+            values[window].view(-1, BLOCK), table, signed, codes[window].view(-1, BLOCK), absmax[first:last]
         )
-        torch.bitwise_right_shift(bits[:size], _BUCKET_SHIFT, out=bucket[:size])
-        bucket[:size].bitwise_and_(table.numel() - 1)
-        torch.index_select(table, 0, bucket[:size], out=entry[:size])
-        entry[:size].add_(torch.bitwise_and(bits[:size], _LOW_BITS, out=low[:size]))
-        entry[:size].bitwise_right_shift_(_BUCKET_SHIFT)
-        if signed:  # inverted for a negative value
-            entry[:size].bitwise_xor_(torch.bitwise_right_shift(bits[:size], 31, out=low[:size]))
-        codes[start : start + part.numel()].copy_(entry[: part.numel()])
+    if full * BLOCK < values.numel():  # the short last block, zero-padded
+        short = torch.empty(1, BLOCK, dtype=torch.uint8, device=codes.device)
+        _quantise_blocks(_padded(values[full * BLOCK :]), table, signed, short, absmax[full:])
+        codes[full * BLOCK :].copy_(short.view(-1)[: values.numel() - full * BLOCK])
 
 
 def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
     """The inverse of [`quantise_blockwise`][]: each code's map entry times its block's absmax, into
     the fp32 row ``out``."""
-    table = _on(_maps(signed)[0], out.device)
-    full = out.numel() // BLOCK * BLOCK
-    index = torch.empty(min(QUANTISE_CHUNK, out.numel()), dtype=torch.int64, device=out.device)
-    for start in range(0, out.numel(), QUANTISE_CHUNK):
-        part = out[start : start + QUANTISE_CHUNK]
-        size = part.numel()
-        index[:size].copy_(codes[start : start + size])
-        torch.index_select(table, 0, index[:size], out=part)
-        blocks = min(size, full - start) // BLOCK
-        if blocks:
-            part[: blocks * BLOCK].view(blocks, BLOCK).mul_(
-                absmax[start // BLOCK : start // BLOCK + blocks].unsqueeze(1)
-            )
-        if blocks * BLOCK < size:  # the short last block
-            part[blocks * BLOCK :].mul_(absmax[full // BLOCK])
+    table = _on(_dequantisation_table(signed), out.device)
+    full = out.numel() // BLOCK
+    kernel = _kernel(_dequantise_blocks, out)
+    for first in range(0, full, QUANTISE_CHUNK // BLOCK):
+        last = min(first + QUANTISE_CHUNK // BLOCK, full)
+        window = slice(first * BLOCK, last * BLOCK)
+        kernel(codes[window].view(-1, BLOCK), absmax[first:last], table, out[window].view(-1, BLOCK))
+    if full * BLOCK < out.numel():  # the short last block
+        out[full * BLOCK :].copy_(table[codes[full * BLOCK :].int()] * absmax[full])
 
 
 def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
@@ -262,7 +334,7 @@ def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: tor
     ``param_dtype``: ``master - rounded``, rounded to bf16 (at most half the parameter's resolution:
     ``param + compensation`` rounds back to the parameter, or lies exactly half-way, which
     [`settled_master`][] resolves)."""
-    torch.sub(master, master.to(param_dtype), out=compensation)  # in fp32, rounded to bf16
+    _kernel(_compensate, master)(master, param_dtype, compensation)
 
 
 def settled_master(master: torch.Tensor, param: torch.Tensor) -> None:
@@ -388,10 +460,11 @@ class PackedLayout:
                     if first >= end:
                         continue
                     part = row[first - start : end - start]
-                    part.copy_(window[first - offset : end - offset])
+                    param = window[first - offset : end - offset]
+                    part.copy_(param)
                     part.add_(compensation[first:end])
                     if settle:
-                        settled_master(part, window[first - offset : end - offset])
+                        settled_master(part, param)
 
     def _quantised(
         self, packed: torch.Tensor, segment: Segment, start: int, stop: int

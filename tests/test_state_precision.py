@@ -3,14 +3,21 @@ error bounds, on random and adversarial moments."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from tierstore.optimizer import state_precision as kernels
 from tierstore.optimizer.partition import KERNEL_ALIGNMENT, partition
 from tierstore.optimizer.state_precision import (
     BLOCK,
+    FUSED_MIN_NUMEL,
     PRESETS,
+    QUANTISE_CHUNK,
     PackedLayout,
     RowKind,
     StatePrecision,
@@ -24,6 +31,8 @@ from tierstore.optimizer.state_precision import (
 )
 
 from tierstore import ConfigError
+
+from .helpers import run_child
 
 TINY = 2.0**-140
 """A denormal fp32 value."""
@@ -119,6 +128,89 @@ def test_int8_quantisation_matches_the_reference_and_its_bound(case: str, signed
         block = values[i * BLOCK : (i + 1) * BLOCK]
         largest = int(block.abs().argmax())
         assert abs(float(restored[i * BLOCK + largest])) == peak
+
+
+def long_moments(case: str, signed: bool) -> torch.Tensor:
+    """:func:`moments` repeated past a quantisation chunk (the CPU's fused kernels' size), each
+    copy scaled differently, ending in a partial block."""
+    short = moments(case, signed)
+    copies = -(-(QUANTISE_CHUNK + 2 * BLOCK) // short.numel())
+    scales = torch.logspace(-3, 3, copies).repeat_interleave(short.numel())
+    values = short.repeat(copies) * scales
+    if case == "nan-block":
+        values[BLOCK + 3] = math.nan
+    assert values.numel() >= FUSED_MIN_NUMEL and values.numel() % BLOCK
+    return values
+
+
+def quantised_both_ways(
+    values: torch.Tensor, signed: bool, monkeypatch: pytest.MonkeyPatch
+) -> list[torch.Tensor]:
+    """Codes, block maxima, dequantised values and a bf16 compensation of ``values``, by the
+    fused CPU kernels and by the eager ones."""
+    results = []
+    for fused_from in (FUSED_MIN_NUMEL, math.inf):
+        monkeypatch.setattr(kernels, "FUSED_MIN_NUMEL", fused_from)
+        codes = torch.empty(values.numel(), dtype=torch.uint8)
+        absmax = torch.empty(-(-values.numel() // BLOCK))
+        quantise_blockwise(values, codes, absmax, signed)
+        restored = torch.empty_like(values)
+        dequantise_blockwise(codes, absmax, restored, signed)
+        compensation = torch.empty(values.numel(), dtype=torch.bfloat16)
+        compensate(values, torch.bfloat16, compensation)
+        results += [
+            codes,
+            absmax.view(torch.int32),
+            restored.view(torch.int32),
+            compensation.view(torch.int16),
+        ]
+    return results
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("case", [*CASES, "nan-block"])
+def test_the_fused_cpu_kernels_give_the_eager_kernels_bits(
+    case: str, signed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU path compiles the kernels from FUSED_MIN_NUMEL elements on; the device path and
+    shorter rows run them eagerly: one format either way."""
+    results = quantised_both_ways(long_moments(case, signed), signed, monkeypatch)
+    fused, eager = results[:4], results[4:]
+    for name, ours, theirs in zip(
+        ["codes", "absmax", "dequantised", "compensation"], fused, eager, strict=True
+    ):
+        assert torch.equal(ours, theirs), name
+
+
+FAILING_COMPILER = """
+import json, math, warnings, torch, torch._inductor.config
+torch._inductor.config.cpp.cxx = (None, "/nonexistent/c++")
+from tierstore.optimizer import state_precision as kernels
+values = torch.randn(kernels.FUSED_MIN_NUMEL)
+results = []
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", RuntimeWarning)
+    for fused_from in (kernels.FUSED_MIN_NUMEL, kernels.FUSED_MIN_NUMEL, math.inf):
+        kernels.FUSED_MIN_NUMEL = fused_from
+        codes, absmax = torch.empty(values.numel(), dtype=torch.uint8), torch.empty(values.numel() // 256)
+        kernels.quantise_blockwise(values, codes, absmax, True)
+        results.append(codes)
+ours = [str(w.message) for w in caught if "tierstore" in str(w.message)]
+print(json.dumps({"warnings": ours, "same": all(torch.equal(r, results[-1]) for r in results)}))
+"""
+
+
+def test_without_a_working_compiler_the_kernels_run_eagerly_with_one_warning(tmp_path: Path) -> None:
+    done = run_child(
+        [sys.executable, "-c", FAILING_COMPILER],
+        timeout=300,
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")},  # nothing compiled yet
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["same"]
+    assert len(result["warnings"]) == 1
+    assert "eagerly" in result["warnings"][0] and "InvalidCxxCompiler" in result["warnings"][0]
 
 
 def test_quantising_what_was_dequantised_gives_the_same_codes() -> None:
