@@ -28,6 +28,23 @@ from .common import log, metadata, model_shape, positive_int, run_benchmark, spr
 
 PHASES = ("forward_s", "backward_s", "step_s", "iteration_s")
 
+EXAMPLE_DEFAULTS = {
+    "layers": 8,
+    "width": 1024,
+    "length": 32,
+    "batch": 2,
+    "sub_group_size": 8_000_000,
+    "buffer_count": 12,  # DeepSpeed's minimum with Adam
+    "steps": 6,
+}
+"""The example's options that this benchmark takes and passes on, by the keyword each is (the option
+``--sub-group-size`` for ``sub_group_size``, here and in the example), with the benchmark's default."""
+
+
+def option(name: str) -> str:
+    """The command-line option of the keyword ``name``: ``--sub-group-size`` for ``sub_group_size``."""
+    return f"--{name.replace('_', '-')}"
+
 
 def train(side: str, args: argparse.Namespace, directory: Path, repeat: int) -> list[dict[str, Any]]:
     output = directory / f"{side}-{repeat}.json"
@@ -39,22 +56,9 @@ def train(side: str, args: argparse.Namespace, directory: Path, repeat: int) -> 
         side,
         "--nvme",
         str(directory / f"{side}-{repeat}"),
-        "--steps",
-        str(args.steps),
-        "--layers",
-        str(args.layers),
-        "--width",
-        str(args.width),
+        *(word for name in EXAMPLE_DEFAULTS for word in (option(name), str(getattr(args, name)))),
         "--heads",
         str(args.width // 64),
-        "--length",
-        str(args.length),
-        "--batch",
-        str(args.batch),
-        "--sub-group-size",
-        str(args.sub_group_size),
-        "--buffer-count",
-        str(args.buffer_count),
         "--pipeline",
         "--matmul-dtype",
         args.matmul_dtype,
@@ -125,13 +129,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk under test")
     parser.add_argument("--output", type=Path, default=None)
-    parser.add_argument("--layers", type=positive_int, default=8)
-    parser.add_argument("--width", type=positive_int, default=1024)
-    parser.add_argument("--length", type=positive_int, default=32)
-    parser.add_argument("--batch", type=positive_int, default=2)
-    parser.add_argument("--sub-group-size", type=positive_int, default=8_000_000)
-    parser.add_argument("--buffer-count", type=positive_int, default=12, help="DeepSpeed's minimum with Adam")
-    parser.add_argument("--steps", type=positive_int, default=6)
+    for name, default in EXAMPLE_DEFAULTS.items():
+        parser.add_argument(
+            option(name), type=positive_int, default=default, help=f"passed on to the example ({default})"
+        )
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument(
         "--matmul-dtype",
