@@ -230,19 +230,10 @@ def mlp_offload_prediction(data: dict[str, Any]) -> str:
 
 def apollo(data: dict[str, Any]) -> str:
     summary = data["summary"]
+    sides = ("apollo_mini", "adamw", "deepspeed")  # the columns, in the header's order
     rows = [
-        [
-            "update phase, s/step",
-            _f(summary["apollo_mini_update_s"]),
-            _f(summary["adamw_update_s"]),
-            _f(summary["deepspeed_update_s"]),
-        ],
-        [
-            "bytes moved per step",
-            _gb(summary["apollo_mini_bytes_moved"]),
-            _gb(summary["adamw_bytes_moved"]),
-            _gb(summary["deepspeed_bytes_moved"]),
-        ],
+        ["update phase, s/step", *(_f(summary[f"{side}_update_s"]) for side in sides)],
+        ["bytes moved per step", *(_gb(summary[f"{side}_bytes_moved"]) for side in sides)],
         ["APOLLO-Mini's speed-up", "", _x(summary["speedup_vs_adamw"]), _x(summary["speedup_vs_deepspeed"])],
     ]
     return _table(["", "APOLLO-Mini", "offloaded AdamW", "DeepSpeed"], rows)
