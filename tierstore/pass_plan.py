@@ -84,6 +84,7 @@ class ExplainedPlan:
     """The reasoning, one line per step: the inputs, the choice and the predicted time."""
 
     def explain(self) -> str:
+        """The explanation as text, a line per step."""
         return "\n".join(self.explanation)
 
 
