@@ -17,7 +17,8 @@ import torch
 from tierstore.backends import open_backend
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, StagedOptimizer, apollo
 from tierstore.optimizer.device import DeviceStager
-from tierstore.optimizer.state_precision import BLOCK, PRESETS, PackedLayout
+from tierstore.optimizer.state_kernels import BLOCK
+from tierstore.optimizer.state_precision import PRESETS, PackedLayout
 
 from tierstore import BufferMismatchError, Tier, TierStore
 from tierstore.app.demo import GPT

@@ -11,21 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from tierstore.optimizer import state_precision as kernels
+from tierstore.optimizer import state_kernels as kernels
 from tierstore.optimizer.partition import KERNEL_ALIGNMENT, partition
-from tierstore.optimizer.state_precision import (
+from tierstore.optimizer.state_kernels import (
     BLOCK,
     FUSED_MIN_NUMEL,
-    PRESETS,
     QUANTISE_CHUNK,
-    PackedLayout,
-    RowKind,
-    StatePrecision,
     compensate,
     dequantise_blockwise,
     dynamic_map,
     quantise_blockwise,
     settled_master,
+)
+from tierstore.optimizer.state_precision import (
+    PRESETS,
+    PackedLayout,
+    RowKind,
+    StatePrecision,
     spans,
     state_precision,
 )
@@ -185,7 +187,7 @@ def test_the_fused_cpu_kernels_give_the_eager_kernels_bits(
 FAILING_COMPILER = """
 import json, math, warnings, torch, torch._inductor.config
 torch._inductor.config.cpp.cxx = (None, "/nonexistent/c++")
-from tierstore.optimizer import state_precision as kernels
+from tierstore.optimizer import state_kernels as kernels
 values = torch.randn(kernels.FUSED_MIN_NUMEL)
 results = []
 with warnings.catch_warnings(record=True) as caught:

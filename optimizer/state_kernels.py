@@ -1,0 +1,265 @@
+"""The kernels of compressed optimizer state ([`tierstore.optimizer.state_precision`][]): 8-bit
+blockwise quantisation on a dynamic-tree map, and the compensation term of a bf16 master.
+
+The kernels are torch operations over whole rows (no Python loop per block) and run wherever the
+tensors are: the CPU path and the device path share them. On a CPU, rows of [`FUSED_MIN_NUMEL`][]
+elements or more run them compiled by ``torch.compile``, each kernel one loop over memory, with the
+eager kernels' bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+BLOCK = 256
+"""Elements per quantisation block of an ``int8`` row (one fp32 absmax each)."""
+
+QUANTISE_CHUNK = 1 << 18
+"""Elements quantised at a time (a multiple of [`BLOCK`][]): bounds the kernels' temporaries."""
+
+_Result = TypeVar("_Result")
+
+
+@functools.cache
+def _map(signed: bool) -> torch.Tensor:
+    """The dynamic-tree map (CPU, fp32, sorted)."""
+    decades = 7 if signed else 8  # the sign takes a bit of the signed map
+    values = [0.0]
+    for exponent in range(decades):  # decade 10^(exponent - decades + 1), 2^exponent fractions
+        steps = 1 << exponent
+        fractions = [0.1 + 0.9 * step / steps for step in range(1, steps + 1)]
+        scale = 10.0 ** (exponent - decades + 1)
+        values += [scale * fraction for fraction in fractions]
+        if signed:
+            values += [-scale * fraction for fraction in fractions]
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@functools.cache
+def _dequantisation_table(signed: bool) -> torch.Tensor:
+    """Each code's value: the map, NaN past its end (the signed map's 255 entries leave the code
+    255 unused), so that every byte indexes the table."""
+    return torch.nn.functional.pad(_map(signed), (0, 256 - _map(signed).numel()), value=math.nan)
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 8-bit dynamic-tree map of normalised values (fp32, sorted, at most 256 entries): 0, and
+    per decimal exponent ``d`` (10^-6..10^0 signed, 10^-7..10^0 non-negative) the fractions
+    ``0.1 + 0.9 k / 2^i`` (``k = 1..2^i``, ``i`` counting decades up from the smallest) times 10^d,
+    with both signs for the signed map: 255 entries signed, 256 non-negative, ±1.0 among them."""
+    return _map(signed).clone()
+
+
+_BUCKET_SHIFT = 15
+"""A normalised value's fp32 bits shifted right by this name its bucket (its sign, exponent and 8
+significand bits): the map's entries are at least 2^-8 of their magnitude apart, so a bucket holds
+at most one midpoint between entries, and one comparison of the low bits finds the nearest."""
+
+_LOW_BITS = (1 << _BUCKET_SHIFT) - 1
+"""The bits of a normalised value below its bucket."""
+
+
+@functools.cache
+def _bucket_table(signed: bool, device: torch.device) -> torch.Tensor:
+    """Each bucket's ``entry``, one int32 per bucket of normalised values (indexed by a value's fp32
+    bits >> ``_BUCKET_SHIFT``, its sign bit included), such that ``(entry + the value's low bits)
+    >> 15`` is the code of the map entry nearest to the value, all bits inverted for a negative
+    value (its low byte then counts down from the entry 0): ``entry`` is the code of the entry
+    nearest to the bucket's start times 2^15, plus 2^15 - 1 minus the low bits of the midpoint to
+    the next entry inside the bucket (all ones if there is none), so that the low bits carry into
+    the code exactly when the value lies beyond that midpoint. Beyond ±1 (a block whose absmax is
+    NaN, where the block is divided by 1) a bucket holds the code of ±1, and NaN the code of 1, as
+    comparisons with NaN are false; a negative value of the non-negative map takes the code of 0."""
+    table = _map(signed)
+    positive = table[table >= 0]
+    midpoints = (positive[1:] + positive[:-1]) / 2
+    count = (int(torch.tensor(1.0).view(torch.int32)) >> _BUCKET_SHIFT) + 1
+    starts = (torch.arange(count + 1, dtype=torch.int32) << _BUCKET_SHIFT).view(torch.float32)
+    lower = torch.searchsorted(midpoints, starts[:-1])  # midpoints below each bucket's start
+    padded = torch.cat([midpoints, torch.tensor([math.inf, math.inf])])
+    inside = padded[lower]
+    assert bool((padded[lower + 1] >= starts[1:]).all()), "a bucket holds two midpoints"
+    # the midpoint's low bits, or all ones (never exceeded) for a bucket without one
+    threshold = torch.where(inside < starts[1:], inside.view(torch.int32) & _LOW_BITS, _LOW_BITS).long()
+    zero = (table.numel() - 1) // 2 if signed else 0  # the code of the entry 0
+    half = 1 << (31 - _BUCKET_SHIFT)  # buckets of each sign
+    codes = torch.full((2 * half,), zero + int(lower[-1]), dtype=torch.int64)  # NaN's
+    codes[:count] = zero + lower
+    if signed:  # inverted: (~code) & 255 counts down from the entry 0
+        codes[half:] = ~(zero + int(lower[-1]))  # NaN's
+        infinite = int(torch.tensor(math.inf).view(torch.int32)) >> _BUCKET_SHIFT
+        codes[half : half + infinite] = ~(zero - int(lower[-1]))  # below -1 (an absmax of NaN)
+        codes[half : half + count] = ~(zero - lower)
+    else:
+        codes[half:] = 0
+    thresholds = torch.full((2 * half,), _LOW_BITS, dtype=torch.int64)
+    thresholds[:count] = threshold
+    if signed:
+        thresholds[half : half + count] = threshold
+    entries = (codes << _BUCKET_SHIFT) + _LOW_BITS - thresholds
+    return entries.to(torch.int32).to(device)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _padded(short: torch.Tensor) -> torch.Tensor:
+    """A row's short last block as one zero-padded block (``1 x BLOCK``, a copy)."""
+    return torch.nn.functional.pad(short, (0, BLOCK - short.numel())).view(1, BLOCK)
+
+
+def _quantise_blocks(
+    blocks: torch.Tensor,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    *,
+    table: torch.Tensor,
+    flip: torch.Tensor,
+) -> None:
+    """The kernel of [`quantise_blockwise`][]: fp32 ``blocks`` (``n x BLOCK``) as uint8 ``codes``
+    (``n x BLOCK``) and their largest magnitudes ``absmax`` (``n``), by ``table``
+    ([`_bucket_table`][]); ``flip`` (int32, -1 for the signed map, else 0) inverts a negative
+    value's code."""
+    peak = blocks.abs().amax(dim=1)
+    peak = torch.where(peak.isnan(), math.nan, peak)  # one NaN's bits, however the maximum is taken
+    normalised = blocks / torch.where(peak > 0, peak, 1.0).unsqueeze(1)
+    bits = normalised.view(torch.int32)
+    entry = (table[(bits >> _BUCKET_SHIFT) & (table.numel() - 1)] + (bits & _LOW_BITS)) >> _BUCKET_SHIFT
+    codes.copy_(entry ^ ((bits >> 31) & flip))
+    absmax.copy_(peak)
+
+
+def _dequantise_blocks(
+    codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, *, table: torch.Tensor
+) -> None:
+    """The kernel of [`dequantise_blockwise`][]: uint8 ``codes`` (``n x BLOCK``) as fp32 ``out``,
+    each code's ``table`` entry (256 of them) times its block's ``absmax`` (``n``)."""
+    out.copy_(table[codes.int()] * absmax.unsqueeze(1))
+
+
+def _compensate(master: torch.Tensor, compensation: torch.Tensor, *, param_dtype: torch.dtype) -> None:
+    """The kernel of [`compensate`][]: ``master`` less its rounding to ``param_dtype``, in fp32,
+    rounded to bf16 into ``compensation``."""
+    compensation.copy_(master - master.to(param_dtype).float())
+
+
+@functools.cache
+def _sign_flip(signed: bool) -> torch.Tensor:
+    """``flip`` of [`_quantise_blocks`][] for the signed or the non-negative map."""
+    return torch.tensor(-1 if signed else 0, dtype=torch.int32)
+
+
+FUSED_MIN_NUMEL = 1 << 16
+"""Elements from which a CPU runs the kernels above compiled (``torch.compile``: each one loop that
+reads its inputs once and writes its outputs once, instead of an operation at a time) rather than
+eagerly; fewer are not worth a compilation, the first in a process (seconds, each kernel's
+machine code then cached on disk by torch's inductor for later processes). Both give the same
+bits: the same fp32 operations in the same order, with no contraction into fused multiply-adds.
+The device path runs them eagerly, where each operation already streams at the device's memory
+bandwidth."""
+
+_unfused_reason: list[str] = []
+"""Why the CPU kernels are not compiled in this process (empty while they are): the compiler's
+failure, once, after which every kernel runs eagerly."""
+
+
+@functools.cache
+def _compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    # Indices need no bound checks: they are masked or one byte, into tables of 2^17 and 256
+    # entries. Roundings to bf16 stay in: inductor would otherwise keep fp32 values across a cast
+    # to bf16 and back, and lose the compensation.
+    return torch.compile(
+        kernel, fullgraph=True, options={"assert_indirect_indexing": False, "emulate_precision_casts": True}
+    )
+
+
+def _kernel(kernel: Callable[..., _Result], like: torch.Tensor) -> Callable[..., _Result]:
+    """``kernel`` as it runs on tensors like ``like``: compiled on a CPU from [`FUSED_MIN_NUMEL`][]
+    elements on (unless compiling failed in this process: then, with a warning, eagerly), else
+    eagerly. Its positional arguments are rows, whose length varies from call to call (one
+    compilation serves every length); its keywords are tables and constants."""
+    if like.device.type != "cpu" or like.numel() < FUSED_MIN_NUMEL or _unfused_reason:
+        return kernel
+    compiled = _compiled(kernel)
+
+    def run(*rows: torch.Tensor, **constants: Any) -> _Result:
+        for row in rows:
+            torch._dynamo.maybe_mark_dynamic(row, 0)
+        try:
+            with torch.no_grad():  # one compilation whether or not the caller records gradients
+                return cast(_Result, compiled(*rows, **constants))
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported) as error:
+            cause = getattr(error, "inner_exception", None) or error
+            _unfused_reason.append(f"{type(cause).__name__}: {cause}")
+            warnings.warn(
+                f"tierstore: compressed optimizer state runs its CPU kernels eagerly (slower, the "
+                f"same bits): torch.compile failed ({_unfused_reason[0][:300]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return kernel(*rows, **constants)
+
+    return run
+
+
+def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
+    """8-bit blockwise quantisation of a row: per [`BLOCK`][] elements (the last block may be
+    shorter) the largest magnitude into ``absmax``, and each value divided by it rounded to the
+    nearest entry of [`dynamic_map`][] (its index into ``codes``; a value half-way between two
+    entries takes the one of smaller magnitude).
+
+    Args:
+        values: the fp32 row.
+        codes: uint8, as many as ``values``.
+        absmax: fp32, one per block (``ceil(len(values) / BLOCK)``).
+        signed: the signed map (a moment of either sign) or the non-negative one.
+    """
+    table, flip = _bucket_table(signed, values.device), _sign_flip(signed)
+    full = values.numel() // BLOCK
+    kernel = _kernel(_quantise_blocks, values)
+    for first in range(0, full, QUANTISE_CHUNK // BLOCK):
+        last = min(first + QUANTISE_CHUNK // BLOCK, full)
+        window = slice(first * BLOCK, last * BLOCK)
+        blocks = values[window].view(-1, BLOCK)
+        kernel(blocks, codes[window].view(-1, BLOCK), absmax[first:last], table=table, flip=flip)
+    if full * BLOCK < values.numel():  # the short last block, zero-padded
+        short = torch.empty(1, BLOCK, dtype=torch.uint8, device=codes.device)
+        _quantise_blocks(_padded(values[full * BLOCK :]), short, absmax[full:], table=table, flip=flip)
+        codes[full * BLOCK :].copy_(short.view(-1)[: values.numel() - full * BLOCK])
+
+
+def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
+    """The inverse of [`quantise_blockwise`][]: each code's map entry times its block's absmax, into
+    the fp32 row ``out``."""
+    table = _on(_dequantisation_table(signed), out.device)
+    full = out.numel() // BLOCK
+    kernel = _kernel(_dequantise_blocks, out)
+    for first in range(0, full, QUANTISE_CHUNK // BLOCK):
+        last = min(first + QUANTISE_CHUNK // BLOCK, full)
+        window = slice(first * BLOCK, last * BLOCK)
+        kernel(codes[window].view(-1, BLOCK), absmax[first:last], out[window].view(-1, BLOCK), table=table)
+    if full * BLOCK < out.numel():  # the short last block
+        out[full * BLOCK :].copy_(table[codes[full * BLOCK :].int()] * absmax[full])
+
+
+def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
+    """The compensation term of fp32 ``master`` weights whose parameter holds them rounded to
+    ``param_dtype``: ``master - rounded``, rounded to bf16 (at most half the parameter's resolution:
+    ``param + compensation`` rounds back to the parameter, or lies exactly half-way, which
+    [`settled_master`][] resolves)."""
+    _kernel(_compensate, master)(master, compensation, param_dtype=param_dtype)
+
+
+def settled_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """``master`` (``param + compensation``) moved one fp32 step towards the parameter where it lies
+    exactly half-way to the parameter's neighbour, so that the parameter rounds from it: the master
+    weights handed out (state dicts, `master_params`) are ones their parameter rounds from."""
+    ties = master.to(param.dtype) != param
+    master.copy_(torch.where(ties, torch.nextafter(master, param.float()), master))
