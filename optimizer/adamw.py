@@ -24,7 +24,7 @@ from ..store import TierStore
 from .engine import StagedOptimizer, is_real
 from .options import StagingKeywords
 from .partition import Piece, SubGroup
-from .state_precision import RowKind
+from .state_precision import COMPENSATION_ENTRY, RowKind
 
 STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 """A sub-group's state, in object order (as named in a state dict); the first for groups with
@@ -277,7 +277,9 @@ class OffloadedAdamW(StagedOptimizer):
 
     def _state_entries(self) -> list[dict[str, Any]]:
         """Per parameter, its state parts (``torch.optim.AdamW``'s, and the fp32 ``master_param`` of
-        a low-precision parameter) as whole fp32 tensors of its shape."""
+        a low-precision parameter) as whole fp32 tensors of its shape; in a compensated
+        `precision`, a low-precision parameter's stored compensation terms too
+        ([`COMPENSATION_ENTRY`][tierstore.optimizer.state_precision.COMPENSATION_ENTRY], bf16)."""
         gathered: list[dict[str, Any]] = [
             {
                 part: torch.empty(self._local(param).shape, dtype=torch.float32)
@@ -286,13 +288,19 @@ class OffloadedAdamW(StagedOptimizer):
             for number, (param, group) in enumerate(zip(self.params, self._param_groups_of(), strict=True))
         ]
         for sg in self.subgroups:
-            for part, row in self._rows(sg, self.stager.read(sg.index)).items():
+            for part, row in self._rows(sg, self._read_rows(sg)).items():
                 for piece in sg.pieces:
                     whole = gathered[piece.param].get(part)
                     if whole is not None:
                         whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
                             row[piece.offset : piece.offset + piece.length]
                         )
+            for piece, terms in self._compensations(sg):
+                whole = gathered[piece.param].setdefault(
+                    COMPENSATION_ENTRY,
+                    torch.empty(self._local(self.params[piece.param]).shape, dtype=torch.bfloat16),
+                )
+                whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(terms)
         return gathered
 
 

@@ -25,7 +25,15 @@ from ..store import TierStore
 from .gradients import GRADIENT_CHUNK
 from .masters import check_layouts, check_own_masters, rounds_from, stale_entries, stale_masters_error
 from .partition import Piece, SubGroup
-from .state_precision import FP32_STATE, PackedLayout, RowKind, StatePrecision, spans, state_precision
+from .state_precision import (
+    COMPENSATION_ENTRY,
+    FP32_STATE,
+    PackedLayout,
+    RowKind,
+    StatePrecision,
+    spans,
+    state_precision,
+)
 from .subgroup_stager import SubGroupStager
 
 
@@ -63,6 +71,13 @@ class SavedState(torch.optim.Optimizer):
     COMPRESSED_STATE: ClassVar[str | None] = "its state is not rows of parameter elements"
     """Why this optimizer stores its state in fp32 only (``state_precision`` other than ``"fp32"``
     is refused, saying so), or None where `_row_parts` lays it out for compression."""
+
+    PACKED_STATE_DICT: ClassVar[bool] = True
+    """Whether a compressed state's `state_dict` carries the stored bytes (``packed_state``), or,
+    False, each parameter's state decoded (moments and ``master_param`` in fp32, and a compensated
+    master's stored terms, [`COMPENSATION_ENTRY`][tierstore.optimizer.state_precision.COMPENSATION_ENTRY]):
+    entries a checkpoint can shard like the parameters, which encode back to the stored bytes on
+    the same sub-groups."""
 
     IMPLEMENTATION_KEYS: ClassVar[tuple[str, ...]] = ()
     """Group keys that name the kernel rather than the training (torch's ``foreach``, ``fused``...):
@@ -117,14 +132,14 @@ class SavedState(torch.optim.Optimizer):
             parameters' indices; ``step_count`` and ``skipped_steps``: the optimizer's counts. In a
             compressed `precision`, ``state`` holds the steps only and ``packed_state`` the stored
             bytes ([`fp32_state_dict`][tierstore.optimizer.state_precision.fp32_state_dict] makes
-            torch's format of it).
+            torch's format of it), unless `PACKED_STATE_DICT` is False.
 
         Raises:
             StoreClosedError: the optimizer is closed.
         """
         self._check_open()
         self.stager.flush()
-        if self.precision.compressed:
+        if self.precision.compressed and self.PACKED_STATE_DICT:
             return {
                 "state": {
                     i: {"step": torch.tensor(float(steps))} for i, steps in enumerate(self.param_steps)
@@ -323,10 +338,41 @@ class SavedState(torch.optim.Optimizer):
         """Write the state of ``subgroups`` (default: every sub-group), from ``saved`` or fresh, to
         the store, in `precision`."""
         for sg in self.subgroups if subgroups is None else subgroups:
-            fill = functools.partial(self._fill, saved=saved)
-            packed = functools.partial(self._in_precision, sg, work=fill, unpack=False)
-            self.stager.write(sg.index, self._stored_numel(sg), packed)
+            self.stager.write(
+                sg.index, self._stored_numel(sg), functools.partial(self._write_saved, sg, saved=saved)
+            )
         self.stager.wait_writes()
+
+    def _write_saved(self, sg: SubGroup, stored: torch.Tensor, *, saved: dict[Any, Any] | None) -> None:
+        """Lay out the sub-group's state object from ``saved`` or fresh (`_fill`), in `precision`:
+        with the compensation terms ``saved`` holds ([`COMPENSATION_ENTRY`][tierstore.optimizer.
+        state_precision.COMPENSATION_ENTRY]) as they are, rather than derived from its master
+        weights (fp32 cannot hold every parameter-plus-compensation sum)."""
+        self._in_precision(sg, stored, functools.partial(self._fill, saved=saved), unpack=False)
+        compensation = self._packed_layout(sg).compensation(stored) if self.precision.compressed else None
+        if compensation is None or saved is None:
+            return
+        for piece in sg.pieces:
+            entry = saved.get(piece.param, saved.get(str(piece.param)))
+            if entry is not None and COMPENSATION_ENTRY in entry and not self._own_masters[piece.param]:
+                terms = self._local(entry[COMPENSATION_ENTRY]).detach().reshape(-1)
+                compensation[piece.offset : piece.offset + piece.length].copy_(
+                    terms[piece.param_offset : piece.param_offset + piece.length]
+                )
+
+    def _compensations(self, sg: SubGroup) -> list[tuple[Piece, torch.Tensor]]:
+        """Each low-precision piece's stored compensation terms (bf16, host memory) in a
+        compensated `precision`; none otherwise."""
+        if not self.precision.compressed:
+            return []
+        compensation = self._packed_layout(sg).compensation(self.stager.read(sg.index))
+        if compensation is None:
+            return []
+        return [
+            (piece, compensation[piece.offset : piece.offset + piece.length].cpu())
+            for piece in sg.pieces
+            if not self._own_masters[piece.param]
+        ]
 
     # -- the stored format --------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ Keys: ``setup`` (``fp32``: fp32 model; ``mp``: fp32 shards with
 module left unsharded: only the blocks are sharded), ``steps``, ``reference`` (also train
 FSDP2 + ``torch.optim.AdamW`` on the same model and data), ``save_at`` + ``checkpoint`` (save after
 that step), ``resume`` (load ``checkpoint`` first and continue from its step), ``state_dir`` (an
-NVMe tier per rank under it, else DRAM), ``dram_budget``, ``sub_group_size``. ``scenario``:
+NVMe tier per rank under it, else DRAM), ``dram_budget``, ``sub_group_size``, ``state_precision``
+(with a compressed one, the stored bytes' digests after the save and after the load). ``scenario``:
 ``errors`` (the refused setups), ``rss`` (peak RSS of a step and a save), ``interop`` (DCP
 checkpoints from tierstore's optimizer resumed by torch's fused AdamW and the reverse, under
 ``checkpoint``).
@@ -18,6 +19,7 @@ checkpoints from tierstore's optimizer resumed by torch's fused AdamW and the re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -132,6 +134,16 @@ def load(run: dict[str, Any], model: GPT, optimizer: fsdp.FSDPOffloadedAdamW) ->
     return int(step)
 
 
+def stored_digests(optimizer: fsdp.FSDPOffloadedAdamW) -> list[str]:
+    """Each rank's stored state bytes, hashed, in rank order."""
+    digest = hashlib.sha256()
+    for saved in optimizer._packed_state()["subgroups"]:
+        digest.update(saved["data"].numpy().tobytes())
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest.hexdigest())
+    return digests
+
+
 def full(param: torch.Tensor) -> torch.Tensor:
     param = param.detach()
     return (param.full_tensor() if isinstance(param, DTensor) else param).float().clone()
@@ -232,9 +244,6 @@ def setup_errors() -> dict[str, list[str]]:
         ),
         "mixed_dtypes": lambda: fsdp.FSDPOffloadedAdamW(
             [next(sharded.parameters()), bf16_layer().weight], store
-        ),
-        "compressed_state": lambda: fsdp.FSDPOffloadedAdamW(
-            sharded.parameters(), store, state_precision="int8"
         ),
     }
     found: dict[str, list[str]] = {}
@@ -361,7 +370,9 @@ def main() -> None:
             max_grad_norm=MAX_NORM if run.get("clip") == "optimizer" else None,
             sub_group_size=run.get("sub_group_size", 3000),
             dram_budget=run.get("dram_budget"),
+            state_precision=run.get("state_precision", "fp32"),
         )
+        compressed = optimizer.precision.compressed
         result["fp32_shards"] = optimizer.fp32_shards
         result["state_keys"] = sorted(store.keys())[:2]
         local = sum(fsdp.local_shard(p).numel() for p in optimizer.params)
@@ -370,6 +381,8 @@ def main() -> None:
         if run.get("resume"):
             before = tier_bytes(store)
             first = load(run, model, optimizer)
+            if compressed:
+                result["loaded_digests"] = stored_digests(optimizer)
             after = tier_bytes(store)
             result["load_bytes"] = {
                 "read": after["bytes_read"] - before["bytes_read"],
@@ -382,6 +395,8 @@ def main() -> None:
             losses.append(train_step(model, optimizer, run, step, coefficient_errors))
             if run.get("save_at") == step + 1:
                 save(run, model, optimizer, step + 1)
+                if compressed:
+                    result["saved_digests"] = stored_digests(optimizer)
         result["losses"] = losses
         result["coefficient_errors"] = coefficient_errors
         params = [full(p) for p in model.parameters()]

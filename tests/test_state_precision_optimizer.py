@@ -77,6 +77,48 @@ def test_state_dicts_resume_bit_for_bit(tmp_path: Path, precision: str, dtype: t
             assert torch.equal(loaded.view(torch.int32), kept.view(torch.int32))  # packed bytes, not floats
 
 
+class PerParameterAdamW(OffloadedAdamW):
+    """Its state dict holds each parameter's state decoded, as ``FSDPOffloadedAdamW``'s does."""
+
+    PACKED_STATE_DICT = False
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int8-compensated"])
+def test_per_parameter_state_dicts_encode_back_to_the_stored_bytes(tmp_path: Path, precision: str) -> None:
+    """Decoded per parameter and loaded on the same sub-groups, a compressed state is stored as it
+    was, byte for byte, even where fp32 cannot hold the parameter plus its compensation (terms
+    2^-20 of the weight, which a master weight derived from ``master_param`` would lose)."""
+    with make_store(tmp_path, "nvme") as store:
+        params = model(torch.bfloat16)
+        optimizer = PerParameterAdamW(params, store, lr=1e-2, sub_group_size=500, state_precision=precision)
+        train(optimizer, params, 3, seed=1)
+        saved = optimizer.state_dict()
+        assert "packed_state" not in saved
+        if precision == "int8-compensated":
+            for number, param in enumerate(params):
+                tiny = (param.detach().float() * 2.0**-20).to(torch.bfloat16)
+                saved["state"][number]["master_compensation"] = tiny
+                # the master weights as fp32 holds them: param + tiny, rounded
+                saved["state"][number]["master_param"] = param.detach().float() + tiny.float()
+        second = PerParameterAdamW(
+            [torch.nn.Parameter(p.detach().clone()) for p in params],
+            store,
+            lr=1e-2,
+            sub_group_size=500,
+            state_precision=precision,
+            namespace="second",
+        )
+        second.load_state_dict(saved)
+        again = second.state_dict()["state"]
+        for number in range(len(params)):
+            for name, value in saved["state"][number].items():
+                assert torch.equal(again[number][name], value), (number, name)
+        if precision != "int8-compensated":
+            for sg in optimizer.subgroups:
+                loaded, kept = second.stager.read(sg.index), optimizer.stager.read(sg.index)
+                assert torch.equal(loaded.view(torch.int32), kept.view(torch.int32))
+
+
 def test_stored_bytes_per_parameter(tmp_path: Path) -> None:
     """bf16 parameters: 12 -> 8 -> 6 -> 4 bytes per element (and the block maxima, alignment);
     fp32 ones: 8 -> 4 -> 2."""

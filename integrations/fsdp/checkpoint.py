@@ -489,7 +489,15 @@ def save(
 
     Raises:
         StoreClosedError: the optimizer is closed.
+
+    A compressed `state_precision` is saved by the plain calls (``get_state_dict``, then
+    ``dcp.save``): its blocks have no per-parameter rows to stream, so this rank's state is held
+    decoded in memory meanwhile.
     """
+    if optimizer.precision.compressed:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp_save({"model": model_state, "optimizer": optimizer_state, **extra}, checkpoint_id=checkpoint_id)
+        return {"optimizer_bytes": _stored_bytes(optimizer)}
     stream = StateStream(optimizer)
     try:
         with _replaced(optimizer, state_dict=stream.state_dict):
@@ -533,7 +541,17 @@ def load(
     `StaleMasterWeightsError`) leaves the store holding some sub-groups from the checkpoint and the
     rest as they were, so load again before training on. A failed [`save`][] changes nothing but the
     checkpoint directory.
+
+    A compressed `state_precision` is loaded by the plain calls (``dcp.load``, then
+    ``set_state_dict``), this rank's state held decoded in memory meanwhile; it is encoded as it is
+    written to the store, into the bytes it was saved from where the sub-groups are cut as they were.
     """
+    if optimizer.precision.compressed:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, **extra}
+        dcp_load(state, checkpoint_id=checkpoint_id)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        return {**{k: state[k] for k in extra}, "optimizer_bytes": _stored_bytes(optimizer)}
     stream = StateStream(optimizer)
     try:
         with _replaced(optimizer, state_dict=stream.state_dict, load_state_dict=_restore_counts(optimizer)):
@@ -552,6 +570,12 @@ def load(
             f"checkpoint {checkpoint_id}", stale, [tuple(optimizer.params[n].shape) for n in stale]
         )
     return {**{k: state[k] for k in extra}, "optimizer_bytes": stream.bytes_moved}
+
+
+def _stored_bytes(optimizer: FSDPOffloadedAdamW) -> int:
+    """Bytes of the state objects in the store: what a compressed state's save reads out of it, or
+    its load writes."""
+    return sum(4 * optimizer._stored_numel(sg) for sg in optimizer.subgroups)
 
 
 def _restore_counts(optimizer: FSDPOffloadedAdamW) -> Any:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from tierstore.optimizer import OffloadedAdamW
 from tierstore.optimizer.adamw import STATE_PARTS, AdamWKeywords
+from tierstore.optimizer.state_precision import COMPENSATION_ENTRY
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -125,10 +126,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
     """
 
     SHARDED_PARAMETERS = None
-    COMPRESSED_STATE = (
-        "DCP checkpoints hold each parameter's state as fp32 shards, streamed from the stored rows; "
-        "packed blocks cut at sub-group boundaries have no per-parameter shard"
-    )
+    PACKED_STATE_DICT = False
 
     def __init__(
         self,
@@ -277,7 +275,7 @@ class FSDPOffloadedAdamW(OffloadedAdamW):
     def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
         super()._check_entries(entries)
         for i, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
-            for name in STATE_PARTS:
+            for name in (*STATE_PARTS, COMPENSATION_ENTRY):
                 if entry is None or name not in entry:
                     continue
                 mine, theirs = local_shard(param).shape, local_shard(entry[name]).shape
