@@ -3,8 +3,8 @@ blockwise quantisation on a dynamic-tree map, and the compensation term of a bf1
 
 The kernels are torch operations over whole rows (no Python loop per block) and run wherever the
 tensors are: the CPU path and the device path share them. On a CPU, rows of [`FUSED_MIN_NUMEL`][]
-elements or more run them compiled by ``torch.compile``, each kernel one loop over memory, with the
-eager kernels' bits.
+elements or more are quantised and compensated by kernels compiled by ``torch.compile``, each one
+loop over memory, with the eager kernels' bits.
 """
 
 from __future__ import annotations
@@ -136,14 +136,6 @@ def _quantise_blocks(
     absmax.copy_(peak)
 
 
-def _dequantise_blocks(
-    codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, *, table: torch.Tensor
-) -> None:
-    """The kernel of [`dequantise_blockwise`][]: uint8 ``codes`` (``n x BLOCK``) as fp32 ``out``,
-    each code's ``table`` entry (256 of them) times its block's ``absmax`` (``n``)."""
-    out.copy_(table[codes.int()] * absmax.unsqueeze(1))
-
-
 def _compensate(master: torch.Tensor, compensation: torch.Tensor, *, param_dtype: torch.dtype) -> None:
     """The kernel of [`compensate`][]: ``master`` less its rounding to ``param_dtype``, in fp32,
     rounded to bf16 into ``compensation``."""
@@ -157,13 +149,13 @@ def _sign_flip(signed: bool) -> torch.Tensor:
 
 
 FUSED_MIN_NUMEL = 1 << 16
-"""Elements from which a CPU runs the kernels above compiled (``torch.compile``: each one loop that
-reads its inputs once and writes its outputs once, instead of an operation at a time) rather than
-eagerly; fewer are not worth a compilation, the first in a process (seconds, each kernel's
-machine code then cached on disk by torch's inductor for later processes). Both give the same
-bits: the same fp32 operations in the same order, with no contraction into fused multiply-adds.
-The device path runs them eagerly, where each operation already streams at the device's memory
-bandwidth."""
+"""Elements from which a CPU runs quantisation and compensation compiled (``torch.compile``: each
+one loop that reads its inputs once and writes its outputs once, instead of an operation at a time)
+rather than eagerly; fewer are not worth a compilation, the first in a process (seconds, each
+kernel's machine code then cached on disk by torch's inductor for later processes). Both give the
+same bits: the same fp32 operations in the same order, with no contraction into fused
+multiply-adds. The device path runs them eagerly, where each operation already streams at the
+device's memory bandwidth."""
 
 _unfused_reason: list[str] = []
 """Why the CPU kernels are not compiled in this process (empty while they are): the compiler's
@@ -224,8 +216,10 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
     table, flip = _bucket_table(signed, values.device), _sign_flip(signed)
     full = values.numel() // BLOCK
     kernel = _kernel(_quantise_blocks, values)
-    for first in range(0, full, QUANTISE_CHUNK // BLOCK):
-        last = min(first + QUANTISE_CHUNK // BLOCK, full)
+    # eagerly a chunk at a time (its temporaries), compiled all at once (one call's overhead)
+    chunk = QUANTISE_CHUNK // BLOCK if kernel is _quantise_blocks else max(full, 1)
+    for first in range(0, full, chunk):
+        last = min(first + chunk, full)
         window = slice(first * BLOCK, last * BLOCK)
         blocks = values[window].view(-1, BLOCK)
         kernel(blocks, codes[window].view(-1, BLOCK), absmax[first:last], table=table, flip=flip)
@@ -237,16 +231,23 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
 
 def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
     """The inverse of [`quantise_blockwise`][]: each code's map entry times its block's absmax, into
-    the fp32 row ``out``."""
+    the fp32 row ``out``: one gather (``index_select``, which streams faster than a compiled loop's
+    per-element loads) and one multiplication per block, eagerly on any device."""
     table = _on(_dequantisation_table(signed), out.device)
-    full = out.numel() // BLOCK
-    kernel = _kernel(_dequantise_blocks, out)
-    for first in range(0, full, QUANTISE_CHUNK // BLOCK):
-        last = min(first + QUANTISE_CHUNK // BLOCK, full)
-        window = slice(first * BLOCK, last * BLOCK)
-        kernel(codes[window].view(-1, BLOCK), absmax[first:last], out[window].view(-1, BLOCK), table=table)
-    if full * BLOCK < out.numel():  # the short last block
-        out[full * BLOCK :].copy_(table[codes[full * BLOCK :].int()] * absmax[full])
+    full = out.numel() // BLOCK * BLOCK
+    index = torch.empty(min(QUANTISE_CHUNK, out.numel()), dtype=torch.int32, device=out.device)
+    for start in range(0, out.numel(), QUANTISE_CHUNK):
+        part = out[start : start + QUANTISE_CHUNK]
+        size = part.numel()
+        index[:size].copy_(codes[start : start + size])
+        torch.index_select(table, 0, index[:size], out=part)
+        blocks = min(size, full - start) // BLOCK
+        if blocks:
+            part[: blocks * BLOCK].view(blocks, BLOCK).mul_(
+                absmax[start // BLOCK : start // BLOCK + blocks].unsqueeze(1)
+            )
+        if blocks * BLOCK < size:  # the short last block
+            part[blocks * BLOCK :].mul_(absmax[full // BLOCK])
 
 
 def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: torch.Tensor) -> None:
