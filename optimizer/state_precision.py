@@ -7,8 +7,9 @@ fp32 moments, 12 bytes per parameter each way (8 for an fp32 parameter, its own 
 * **moments** (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``): ``"fp32"``; ``"bf16"`` (rounded to
   nearest, 2 bytes); ``"int8"``, 8-bit blockwise quantisation (1 byte, and a 4-byte absmax per
   [`BLOCK`][] elements): each block of a row is divided by its largest magnitude and each value
-  rounded to the nearest entry of a dynamic-tree map ([`dynamic_map`][]: a decimal exponent and a
-  linear fraction, more fraction steps for larger magnitudes; the signed map for ``exp_avg``, the
+  rounded to the nearest entry of a dynamic-tree map
+  ([`dynamic_map`][tierstore.optimizer.state_kernels.dynamic_map]: a decimal exponent and a linear
+  fraction, more fraction steps for larger magnitudes; the signed map for ``exp_avg``, the
   non-negative one for the second moments, as 8-bit Adam quantises them);
 * **master** weights of low-precision (bf16, fp16) parameters: ``"fp32"``, or
   ``"bf16-compensated"``: the parameter itself plus a bf16 compensation term (Kahan), the rounding
