@@ -164,9 +164,9 @@ failure, once, after which every kernel runs eagerly."""
 
 @functools.cache
 def _compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    # Indices need no bound checks: they are masked or one byte, into tables of 2^17 and 256
-    # entries. Roundings to bf16 stay in: inductor would otherwise keep fp32 values across a cast
-    # to bf16 and back, and lose the compensation.
+    # Indices need no bound checks: they are masked to the bucket table's 2^17 entries. Roundings
+    # to bf16 stay in: inductor would otherwise keep fp32 values across a cast to bf16 and back,
+    # and lose the compensation.
     return torch.compile(
         kernel, fullgraph=True, options={"assert_indirect_indexing": False, "emulate_precision_casts": True}
     )
