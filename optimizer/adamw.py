@@ -288,14 +288,15 @@ class OffloadedAdamW(StagedOptimizer):
             for number, (param, group) in enumerate(zip(self.params, self._param_groups_of(), strict=True))
         ]
         for sg in self.subgroups:
-            for part, row in self._rows(sg, self._read_rows(sg)).items():
+            stored = self.stager.read(sg.index)  # read once for the rows and the compensation terms
+            for part, row in self._rows(sg, self._unpacked(sg, stored)).items():
                 for piece in sg.pieces:
                     whole = gathered[piece.param].get(part)
                     if whole is not None:
                         whole.view(-1)[piece.param_offset : piece.param_offset + piece.length].copy_(
                             row[piece.offset : piece.offset + piece.length]
                         )
-            for piece, terms in self._compensations(sg):
+            for piece, terms in self._compensations(sg, stored):
                 whole = gathered[piece.param].setdefault(
                     COMPENSATION_ENTRY,
                     torch.empty(self._local(self.params[piece.param]).shape, dtype=torch.bfloat16),

@@ -360,12 +360,12 @@ class SavedState(torch.optim.Optimizer):
                     terms[piece.param_offset : piece.param_offset + piece.length]
                 )
 
-    def _compensations(self, sg: SubGroup) -> list[tuple[Piece, torch.Tensor]]:
-        """Each low-precision piece's stored compensation terms (bf16, host memory) in a
-        compensated `precision`; none otherwise."""
+    def _compensations(self, sg: SubGroup, stored: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+        """Each low-precision piece's compensation terms in ``stored`` (the sub-group's stored
+        object; bf16, host memory) in a compensated `precision`; none otherwise."""
         if not self.precision.compressed:
             return []
-        compensation = self._packed_layout(sg).compensation(self.stager.read(sg.index))
+        compensation = self._packed_layout(sg).compensation(stored)
         if compensation is None:
             return []
         return [
@@ -462,7 +462,11 @@ class SavedState(torch.optim.Optimizer):
     def _read_rows(self, sg: SubGroup) -> torch.Tensor:
         """The sub-group's fp32 state (read from DRAM or the store; unpacked into new host memory in
         a compressed `precision`)."""
-        stored = self.stager.read(sg.index)
+        return self._unpacked(sg, self.stager.read(sg.index))
+
+    def _unpacked(self, sg: SubGroup, stored: torch.Tensor) -> torch.Tensor:
+        """The sub-group's fp32 state from its stored object: ``stored`` itself, or unpacked into new
+        host memory in a compressed `precision`."""
         if not self.precision.compressed:
             return stored
         rows = torch.empty(self.state_numel(sg), dtype=torch.float32)
