@@ -170,7 +170,7 @@ class OffloadedAdamW(StagedOptimizer):
 
     def _check_entries(self, entries: list[dict[str, Any] | None]) -> None:
         for i, (param, entry) in enumerate(zip(self.params, entries, strict=True)):
-            for name in STATE_PARTS:
+            for name in (*STATE_PARTS, COMPENSATION_ENTRY):
                 if entry is not None and name in entry and entry[name].shape != param.shape:
                     raise BufferMismatchError(
                         f"state of parameter {i}: {name} has shape {tuple(entry[name].shape)}, "

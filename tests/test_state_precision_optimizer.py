@@ -119,6 +119,22 @@ def test_per_parameter_state_dicts_encode_back_to_the_stored_bytes(tmp_path: Pat
                 assert torch.equal(loaded.view(torch.int32), kept.view(torch.int32))
 
 
+def test_a_misshapen_compensation_entry_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with make_store(tmp_path, "nvme") as store:
+        params = model(torch.bfloat16)
+        optimizer = PerParameterAdamW(
+            params, store, lr=1e-2, sub_group_size=500, state_precision="int8-compensated"
+        )
+        train(optimizer, params, 1, seed=1)
+        saved = optimizer.state_dict()
+        before = [optimizer.stager.read(sg.index).clone() for sg in optimizer.subgroups]
+        saved["state"][0]["master_compensation"] = torch.zeros(7, dtype=torch.bfloat16)
+        with pytest.raises(BufferMismatchError, match="master_compensation has shape"):
+            optimizer.load_state_dict(saved)
+        for sg, kept in zip(optimizer.subgroups, before, strict=True):
+            assert torch.equal(optimizer.stager.read(sg.index).view(torch.int32), kept.view(torch.int32))
+
+
 def test_stored_bytes_per_parameter(tmp_path: Path) -> None:
     """bf16 parameters: 12 -> 8 -> 6 -> 4 bytes per element (and the block maxima, alignment);
     fp32 ones: 8 -> 4 -> 2."""
