@@ -40,8 +40,14 @@ def train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], st
         optimizer.step()
 
 
-def adamw(store: TierStore, params: Sequence[torch.Tensor], precision: str, **options: Any) -> OffloadedAdamW:
-    return OffloadedAdamW(
+def adamw(
+    store: TierStore,
+    params: Sequence[torch.Tensor],
+    precision: str,
+    kind: type[OffloadedAdamW] = OffloadedAdamW,
+    **options: Any,
+) -> OffloadedAdamW:
+    return kind(
         params, store, lr=1e-2, weight_decay=0.1, sub_group_size=500, state_precision=precision, **options
     )
 
@@ -90,7 +96,7 @@ def test_per_parameter_state_dicts_encode_back_to_the_stored_bytes(tmp_path: Pat
     2^-20 of the weight, which a master weight derived from ``master_param`` would lose)."""
     with make_store(tmp_path, "nvme") as store:
         params = model(torch.bfloat16)
-        optimizer = PerParameterAdamW(params, store, lr=1e-2, sub_group_size=500, state_precision=precision)
+        optimizer = adamw(store, params, precision, PerParameterAdamW)
         train(optimizer, params, 3, seed=1)
         saved = optimizer.state_dict()
         assert "packed_state" not in saved
@@ -100,14 +106,8 @@ def test_per_parameter_state_dicts_encode_back_to_the_stored_bytes(tmp_path: Pat
                 saved["state"][number]["master_compensation"] = tiny
                 # the master weights as fp32 holds them: param + tiny, rounded
                 saved["state"][number]["master_param"] = param.detach().float() + tiny.float()
-        second = PerParameterAdamW(
-            [torch.nn.Parameter(p.detach().clone()) for p in params],
-            store,
-            lr=1e-2,
-            sub_group_size=500,
-            state_precision=precision,
-            namespace="second",
-        )
+        resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        second = adamw(store, resumed, precision, PerParameterAdamW, namespace="second")
         second.load_state_dict(saved)
         again = second.state_dict()["state"]
         for number in range(len(params)):
@@ -122,9 +122,7 @@ def test_per_parameter_state_dicts_encode_back_to_the_stored_bytes(tmp_path: Pat
 def test_a_misshapen_compensation_entry_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     with make_store(tmp_path, "nvme") as store:
         params = model(torch.bfloat16)
-        optimizer = PerParameterAdamW(
-            params, store, lr=1e-2, sub_group_size=500, state_precision="int8-compensated"
-        )
+        optimizer = adamw(store, params, "int8-compensated", PerParameterAdamW)
         train(optimizer, params, 1, seed=1)
         saved = optimizer.state_dict()
         before = [optimizer.stager.read(sg.index).clone() for sg in optimizer.subgroups]
