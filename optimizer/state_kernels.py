@@ -1,19 +1,26 @@
 """The kernels of compressed optimizer state ([`tierstore.optimizer.state_precision`][]): 8-bit
 blockwise quantisation on a dynamic-tree map, and the compensation term of a bf16 master.
 
-The kernels are torch operations over whole rows (no Python loop per block) and run wherever the
-tensors are: the CPU path and the device path share them. On a CPU, rows of [`FUSED_MIN_NUMEL`][]
-elements or more are quantised and compensated by kernels compiled by ``torch.compile``, each one
-loop over memory, with the eager kernels' bits.
+Each kernel is defined by torch operations over whole rows (no Python loop per block), which run
+wherever the tensors are: the device path's. On a CPU the same kernels run as C++ loops
+([`NATIVE_SOURCE`][], built on first use), each one pass over memory with the torch operations'
+bits; where no C++ compiler builds them, the torch operations run there too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import math
+import os
+import platform
+import subprocess
+import tempfile
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -21,9 +28,8 @@ BLOCK = 256
 """Elements per quantisation block of an ``int8`` row (one fp32 absmax each)."""
 
 QUANTISE_CHUNK = 1 << 18
-"""Elements quantised at a time (a multiple of [`BLOCK`][]): bounds the kernels' temporaries."""
-
-_Result = TypeVar("_Result")
+"""Elements the torch operations quantise or dequantise at a time (a multiple of [`BLOCK`][]):
+bounds their temporaries."""
 
 
 @functools.cache
@@ -136,69 +142,108 @@ def _quantise_blocks(
     absmax.copy_(peak)
 
 
-def _compensate(master: torch.Tensor, compensation: torch.Tensor, *, param_dtype: torch.dtype) -> None:
-    """The kernel of [`compensate`][]: ``master`` less its rounding to ``param_dtype``, in fp32,
-    rounded to bf16 into ``compensation``."""
-    compensation.copy_(master - master.to(param_dtype).float())
-
-
 @functools.cache
 def _sign_flip(signed: bool) -> torch.Tensor:
     """``flip`` of [`_quantise_blocks`][] for the signed or the non-negative map."""
     return torch.tensor(-1 if signed else 0, dtype=torch.int32)
 
 
-FUSED_MIN_NUMEL = 1 << 16
-"""Elements from which a CPU runs quantisation and compensation compiled (``torch.compile``: each
-one loop that reads its inputs once and writes its outputs once, instead of an operation at a time)
-rather than eagerly; fewer are not worth a compilation, the first in a process (seconds, each
-kernel's machine code then cached on disk by torch's inductor for later processes). Both give the
-same bits: the same fp32 operations in the same order, with no contraction into fused
-multiply-adds. The device path runs them eagerly, where each operation already streams at the
-device's memory bandwidth."""
+NATIVE_SOURCE = Path(__file__).with_name("state_kernels.cpp")
+"""The CPU kernels' C++ source: each kernel one loop over a row, with the bits of the torch
+operations here (the same IEEE fp32 operations in the same order, no fused multiply-adds)."""
 
-_unfused_reason: list[str] = []
-"""Why the CPU kernels are not compiled in this process (empty while they are): the compiler's
-failure, once, after which every kernel runs eagerly."""
+_NATIVE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
+
+
+def _kernel_cache() -> Path:
+    """Where the built CPU kernels are kept between processes: ``$XDG_CACHE_HOME/tierstore/kernels``
+    (``~/.cache`` by default), one library per source, compiler and flags."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tierstore" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    """The library built from [`NATIVE_SOURCE`][] by ``compiler``, from the cache or built into it
+    (into a temporary name first, so that a process never loads a half-written library and two
+    processes building at once each leave a whole one)."""
+    source = NATIVE_SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), *(f.encode() for f in _NATIVE_FLAGS)]))
+    library = _kernel_cache() / f"state_kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as building:
+            built = Path(building) / library.name
+            subprocess.run(
+                [compiler, *_NATIVE_FLAGS, "-o", str(built), str(NATIVE_SOURCE)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            os.replace(built, library)
+    return library
 
 
 @functools.cache
-def _compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    # Indices need no bound checks: they are masked to the bucket table's 2^17 entries. Roundings
-    # to bf16 stay in: inductor would otherwise keep fp32 values across a cast to bf16 and back,
-    # and lose the compensation.
-    return torch.compile(
-        kernel, fullgraph=True, options={"assert_indirect_indexing": False, "emulate_precision_casts": True}
-    )
+def _native() -> ctypes.CDLL | None:
+    """The CPU kernels, built on first use by the C++ compiler ``$CXX`` (``c++`` by default; about a
+    second, then cached: [`_kernel_cache`][]); None, after one warning, where they cannot be built
+    or loaded: the kernels then run as torch operations (slower, the same bits)."""
+    compiler = os.environ.get("CXX") or "c++"
+    try:
+        native = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = error.stderr if isinstance(error, subprocess.CalledProcessError) else error
+        warnings.warn(
+            f"tierstore: compressed optimizer state runs its CPU kernels as torch operations (slower, "
+            f"the same bits): the C++ compiler {compiler!r} could not build them ({str(detail)[:300]})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    pointer, count = ctypes.c_void_p, ctypes.c_int64
+    signatures = {
+        "tierstore_quantise": [pointer, count, pointer, pointer, pointer, ctypes.c_int32],
+        "tierstore_dequantise": [pointer, pointer, count, pointer, pointer],
+        "tierstore_compensate_bf16": [pointer, count, pointer],
+        "tierstore_compensated_master_bf16": [pointer, pointer, count, pointer],
+    }
+    for name, arguments in signatures.items():
+        function = getattr(native, name)
+        function.argtypes, function.restype = arguments, None
+    return native
 
 
-def _kernel(kernel: Callable[..., _Result], like: torch.Tensor) -> Callable[..., _Result]:
-    """``kernel`` as it runs on tensors like ``like``: compiled on a CPU from [`FUSED_MIN_NUMEL`][]
-    elements on (unless compiling failed in this process: then, with a warning, eagerly), else
-    eagerly. Its positional arguments are rows, whose length varies from call to call (one
-    compilation serves every length); its keywords are tables and constants."""
-    if like.device.type != "cpu" or like.numel() < FUSED_MIN_NUMEL or _unfused_reason:
-        return kernel
-    compiled = _compiled(kernel)
+def _native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The CPU kernels where every one of ``tensors`` is a contiguous CPU tensor, else None (torch
+    operations: the device path, where each already streams at the device's memory bandwidth)."""
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return _native()
+    return None
 
-    def run(*rows: torch.Tensor, **constants: Any) -> _Result:
-        for row in rows:
-            torch._dynamo.maybe_mark_dynamic(row, 0)
-        try:
-            with torch.no_grad():  # one compilation whether or not the caller records gradients
-                return cast(_Result, compiled(*rows, **constants))
-        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported) as error:
-            cause = getattr(error, "inner_exception", None) or error
-            _unfused_reason.append(f"{type(cause).__name__}: {cause}")
-            warnings.warn(
-                f"tierstore: compressed optimizer state runs its CPU kernels eagerly (slower, the "
-                f"same bits): torch.compile failed ({_unfused_reason[0][:300]})",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return kernel(*rows, **constants)
 
-    return run
+PARALLEL_MIN_NUMEL = 1 << 16
+"""Elements from which the C++ kernels share a row among torch's intra-op threads
+(``torch.get_num_threads()``, as torch's own CPU kernels do), each thread whole blocks of at least
+this many elements."""
+
+
+@functools.cache
+def _threads() -> ThreadPoolExecutor:
+    """The threads the C++ kernels share rows among besides the caller's (they release the GIL)."""
+    return ThreadPoolExecutor(thread_name_prefix="tierstore-state-kernels")
+
+
+def _in_parallel(count: int, run: Callable[[int, int], object]) -> None:
+    """``run(start, stop)`` over ``[0, count)``, cut at multiples of [`BLOCK`][] into a part per
+    intra-op thread (at most one per [`PARALLEL_MIN_NUMEL`][] elements); the caller runs the first."""
+    parts = max(1, min(torch.get_num_threads(), count // PARALLEL_MIN_NUMEL))
+    length = -(-count // parts // BLOCK) * BLOCK
+    bounds = [(start, min(start + length, count)) for start in range(0, count, length)] or [(0, 0)]
+    others = [_threads().submit(run, start, stop) for start, stop in bounds[1:]]
+    try:
+        run(*bounds[0])
+    finally:
+        for other in others:
+            other.result()
 
 
 def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> None:
@@ -214,15 +259,24 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
         signed: the signed map (a moment of either sign) or the non-negative one.
     """
     table, flip = _bucket_table(signed, values.device), _sign_flip(signed)
+    native = _native_for(values, codes, absmax)
+    if native is not None:
+        native.tierstore_quantise(
+            values.data_ptr(),
+            values.numel(),
+            codes.data_ptr(),
+            absmax.data_ptr(),
+            table.data_ptr(),
+            int(flip),
+        )
+        return
     full = values.numel() // BLOCK
-    kernel = _kernel(_quantise_blocks, values)
-    # eagerly a chunk at a time (its temporaries), compiled all at once (one call's overhead)
-    chunk = QUANTISE_CHUNK // BLOCK if kernel is _quantise_blocks else max(full, 1)
+    chunk = QUANTISE_CHUNK // BLOCK
     for first in range(0, full, chunk):
         last = min(first + chunk, full)
         window = slice(first * BLOCK, last * BLOCK)
         blocks = values[window].view(-1, BLOCK)
-        kernel(blocks, codes[window].view(-1, BLOCK), absmax[first:last], table=table, flip=flip)
+        _quantise_blocks(blocks, codes[window].view(-1, BLOCK), absmax[first:last], table=table, flip=flip)
     if full * BLOCK < values.numel():  # the short last block, zero-padded
         short = torch.empty(1, BLOCK, dtype=torch.uint8, device=codes.device)
         _quantise_blocks(_padded(values[full * BLOCK :]), short, absmax[full:], table=table, flip=flip)
@@ -231,9 +285,21 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
 
 def dequantise_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, signed: bool) -> None:
     """The inverse of [`quantise_blockwise`][]: each code's map entry times its block's absmax, into
-    the fp32 row ``out``: one gather (``index_select``, which streams faster than a compiled loop's
-    per-element loads) and one multiplication per block, eagerly on any device."""
+    the fp32 row ``out``."""
     table = _on(_dequantisation_table(signed), out.device)
+    native = _native_for(codes, absmax, out)
+    if native is not None:
+        _in_parallel(
+            out.numel(),
+            lambda start, stop: native.tierstore_dequantise(
+                codes.data_ptr() + start,
+                absmax.data_ptr() + 4 * (start // BLOCK),
+                stop - start,
+                table.data_ptr(),
+                out.data_ptr() + 4 * start,
+            ),
+        )
+        return
     full = out.numel() // BLOCK * BLOCK
     index = torch.empty(min(QUANTISE_CHUNK, out.numel()), dtype=torch.int32, device=out.device)
     for start in range(0, out.numel(), QUANTISE_CHUNK):
@@ -255,7 +321,34 @@ def compensate(master: torch.Tensor, param_dtype: torch.dtype, compensation: tor
     ``param_dtype``: ``master - rounded``, rounded to bf16 (at most half the parameter's resolution:
     ``param + compensation`` rounds back to the parameter, or lies exactly half-way, which
     [`settled_master`][] resolves)."""
-    _kernel(_compensate, master)(master, compensation, param_dtype=param_dtype)
+    native = _native_for(master, compensation) if param_dtype == torch.bfloat16 else None
+    if native is not None:
+        _in_parallel(
+            master.numel(),
+            lambda start, stop: native.tierstore_compensate_bf16(
+                master.data_ptr() + 4 * start, stop - start, compensation.data_ptr() + 2 * start
+            ),
+        )
+        return
+    compensation.copy_(master - master.to(param_dtype).float())
+
+
+def compensated_master(param: torch.Tensor, compensation: torch.Tensor, master: torch.Tensor) -> None:
+    """The fp32 ``master`` weights of a low-precision ``param``: ``param + compensation``."""
+    native = _native_for(param, compensation, master) if param.dtype == torch.bfloat16 else None
+    if native is not None:
+        _in_parallel(
+            master.numel(),
+            lambda start, stop: native.tierstore_compensated_master_bf16(
+                param.data_ptr() + 2 * start,
+                compensation.data_ptr() + 2 * start,
+                stop - start,
+                master.data_ptr() + 4 * start,
+            ),
+        )
+        return
+    master.copy_(param)
+    master.add_(compensation)
 
 
 def settled_master(master: torch.Tensor, param: torch.Tensor) -> None:

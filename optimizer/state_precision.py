@@ -35,7 +35,14 @@ import torch
 
 from ..errors import ConfigError
 from .partition import KERNEL_ALIGNMENT, Piece, SubGroup
-from .state_kernels import BLOCK, compensate, dequantise_blockwise, quantise_blockwise, settled_master
+from .state_kernels import (
+    BLOCK,
+    compensate,
+    compensated_master,
+    dequantise_blockwise,
+    quantise_blockwise,
+    settled_master,
+)
 
 COMPENSATION_ENTRY = "master_compensation"
 """A state dict entry of a compensated master's parameter, where the state dict holds each
@@ -222,15 +229,18 @@ class PackedLayout:
                 dequantise_blockwise(codes, absmax, row, segment.kind == "signed")
             else:
                 compensation = self._view(packed, segment.offset, self.numel, torch.bfloat16)
-                row.zero_()
-                for offset, window in windows:
-                    first, end = max(offset, start), min(offset + window.numel(), stop)
+                overlaps = [
+                    (offset, window, max(offset, start), min(offset + window.numel(), stop))
+                    for offset, window in windows
+                ]
+                if sum(max(end - first, 0) for _, _, first, end in overlaps) < length:
+                    row.zero_()  # elements outside every window (the windows never overlap)
+                for offset, window, first, end in overlaps:
                     if first >= end:
                         continue
                     part = row[first - start : end - start]
                     param = window[first - offset : end - offset]
-                    part.copy_(param)
-                    part.add_(compensation[first:end])
+                    compensated_master(param, compensation[first:end], part)
                     if settle:
                         settled_master(part, param)
 

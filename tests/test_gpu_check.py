@@ -107,9 +107,12 @@ def test_a_bundle_holds_the_wheel_the_tests_the_benchmarks_and_the_runner(bundle
     wheels = sorted((bundle / "wheels").iterdir())
     assert [wheel.name for wheel in wheels] == ["tierstore-0.1.0-py3-none-any.whl"]
     with zipfile.ZipFile(wheels[0]) as wheel:
-        assert {"tierstore/store.py", "tierstore/backends/nvme.py", "tierstore-deepspeed.pth"} <= set(
-            wheel.namelist()
-        )
+        assert {
+            "tierstore/store.py",
+            "tierstore/backends/nvme.py",
+            "tierstore/optimizer/state_kernels.cpp",
+            "tierstore-deepspeed.pth",
+        } <= set(wheel.namelist())
     assert (bundle / "run.py").read_text() == (REPO / "tools" / "gpu_check_run.py").read_text()
     assert (bundle / "pyproject.toml").read_text() == (REPO / "pyproject.toml").read_text()
     assert (bundle / "tests" / "conftest.py").is_file() and (bundle / "benchmarks" / "common.py").is_file()

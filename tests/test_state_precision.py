@@ -15,9 +15,9 @@ from tierstore.optimizer import state_kernels as kernels
 from tierstore.optimizer.partition import KERNEL_ALIGNMENT, partition
 from tierstore.optimizer.state_kernels import (
     BLOCK,
-    FUSED_MIN_NUMEL,
     QUANTISE_CHUNK,
     compensate,
+    compensated_master,
     dequantise_blockwise,
     dynamic_map,
     quantise_blockwise,
@@ -132,87 +132,106 @@ def test_int8_quantisation_matches_the_reference_and_its_bound(case: str, signed
         assert abs(float(restored[i * BLOCK + largest])) == peak
 
 
-def long_moments(case: str, signed: bool) -> torch.Tensor:
-    """:func:`moments` repeated past a quantisation chunk (the CPU's fused kernels' size), each
-    copy scaled differently, ending in a partial block."""
+def long_moments(case: str, signed: bool, tail: int) -> torch.Tensor:
+    """:func:`moments` repeated past a quantisation chunk (the torch operations' unit), each copy
+    scaled differently, ending in a partial block of ``tail`` elements."""
     short = moments(case, signed)
     copies = -(-(QUANTISE_CHUNK + 2 * BLOCK) // short.numel())
     scales = torch.logspace(-3, 3, copies).repeat_interleave(short.numel())
     values = short.repeat(copies) * scales
     if case == "nan-block":
         values[BLOCK + 3] = math.nan
-    assert values.numel() >= FUSED_MIN_NUMEL and values.numel() % BLOCK
-    return values
+    return values[: (QUANTISE_CHUNK // BLOCK + 1) * BLOCK + tail]
 
 
-def quantised_both_ways(
-    values: torch.Tensor, signed: bool, monkeypatch: pytest.MonkeyPatch
-) -> list[torch.Tensor]:
-    """Codes, block maxima, dequantised values and a bf16 compensation of ``values``, by the
-    fused CPU kernels and by the eager ones."""
-    results = []
-    for fused_from in (FUSED_MIN_NUMEL, math.inf):
-        monkeypatch.setattr(kernels, "FUSED_MIN_NUMEL", fused_from)
-        codes = torch.empty(values.numel(), dtype=torch.uint8)
-        absmax = torch.empty(-(-values.numel() // BLOCK))
-        quantise_blockwise(values, codes, absmax, signed)
-        restored = torch.empty_like(values)
-        dequantise_blockwise(codes, absmax, restored, signed)
-        compensation = torch.empty(values.numel(), dtype=torch.bfloat16)
-        compensate(values, torch.bfloat16, compensation)
-        results += [
-            codes,
-            absmax.view(torch.int32),
-            restored.view(torch.int32),
-            compensation.view(torch.int16),
-        ]
-    return results
+def kernel_results(values: torch.Tensor, signed: bool) -> list[torch.Tensor]:
+    """Codes, block maxima, dequantised values, a bf16 compensation of ``values`` and the master
+    weights it restores, as raw bits."""
+    codes = torch.empty(values.numel(), dtype=torch.uint8)
+    absmax = torch.empty(-(-values.numel() // BLOCK))
+    quantise_blockwise(values, codes, absmax, signed)
+    restored = torch.empty_like(values)
+    dequantise_blockwise(codes, absmax, restored, signed)
+    compensation = torch.empty(values.numel(), dtype=torch.bfloat16)
+    compensate(values, torch.bfloat16, compensation)
+    master = torch.empty_like(values)
+    compensated_master(values.bfloat16(), compensation, master)
+    return [
+        codes,
+        absmax.view(torch.int32),
+        restored.view(torch.int32),
+        compensation.view(torch.int16),
+        master.view(torch.int32),
+    ]
 
 
+RESULTS = ["codes", "absmax", "dequantised", "compensation", "master"]
+
+
+@pytest.mark.parametrize("tail", [3, 64], ids=["tail of 3", "tail of 64"])
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("case", [*CASES, "nan-block"])
-def test_the_fused_cpu_kernels_give_the_eager_kernels_bits(
-    case: str, signed: bool, monkeypatch: pytest.MonkeyPatch
+def test_the_cpu_kernels_give_the_torch_operations_bits(
+    case: str, signed: bool, tail: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CPU path compiles the kernels from FUSED_MIN_NUMEL elements on; the device path and
-    shorter rows run them eagerly: one format either way."""
-    results = quantised_both_ways(long_moments(case, signed), signed, monkeypatch)
-    fused, eager = results[:4], results[4:]
-    for name, ours, theirs in zip(
-        ["codes", "absmax", "dequantised", "compensation"], fused, eager, strict=True
-    ):
+    """A CPU runs the kernels in C++, the device path as torch operations: one format either way,
+    on whole blocks of eight-element vectors and on short blocks with and without a partial one."""
+    assert kernels._native() is not None, "the C++ kernels did not build"
+    values = long_moments(case, signed, tail)
+    native = kernel_results(values, signed)
+    monkeypatch.setattr(kernels, "_native_for", lambda *tensors: None)
+    for name, ours, theirs in zip(RESULTS, native, kernel_results(values, signed), strict=True):
+        assert torch.equal(ours, theirs), name
+
+
+def test_the_cpu_kernels_share_a_row_among_threads_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With several intra-op threads a row is cut at blocks into a part per thread: the same bits."""
+    values = long_moments("outliers", True, 3)
+    alone = kernel_results(values, True)
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_NUMEL", BLOCK)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        shared = kernel_results(values, True)
+    finally:
+        torch.set_num_threads(before)
+    for name, ours, theirs in zip(RESULTS, shared, alone, strict=True):
         assert torch.equal(ours, theirs), name
 
 
 FAILING_COMPILER = """
-import json, math, warnings, torch, torch._inductor.config
-torch._inductor.config.cpp.cxx = (None, "/nonexistent/c++")
+import json, warnings, torch
 from tierstore.optimizer import state_kernels as kernels
-values = torch.randn(kernels.FUSED_MIN_NUMEL)
-results = []
+values = torch.randn(4 * kernels.BLOCK + 5, generator=torch.Generator().manual_seed(0))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", RuntimeWarning)
-    for fused_from in (kernels.FUSED_MIN_NUMEL, kernels.FUSED_MIN_NUMEL, math.inf):
-        kernels.FUSED_MIN_NUMEL = fused_from
-        codes, absmax = torch.empty(values.numel(), dtype=torch.uint8), torch.empty(values.numel() // 256)
+    for _ in range(2):
+        codes, absmax = torch.empty(values.numel(), dtype=torch.uint8), torch.empty(5)
         kernels.quantise_blockwise(values, codes, absmax, True)
-        results.append(codes)
 ours = [str(w.message) for w in caught if "tierstore" in str(w.message)]
-print(json.dumps({"warnings": ours, "same": all(torch.equal(r, results[-1]) for r in results)}))
+print(json.dumps({"warnings": ours, "codes": codes.tolist()}))
 """
 
 
-def test_without_a_working_compiler_the_kernels_run_eagerly_with_one_warning(tmp_path: Path) -> None:
+def test_without_a_cxx_compiler_the_kernels_run_as_torch_operations_with_one_warning(
+    tmp_path: Path,
+) -> None:
     done = run_child(
         [sys.executable, "-c", FAILING_COMPILER],
         timeout=300,
-        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")},  # nothing compiled yet
+        env={**os.environ, "CXX": "/nonexistent/c++", "XDG_CACHE_HOME": str(tmp_path)},  # nothing built yet
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
-    assert result["same"]
-    assert len(result["warnings"]) == 1
-    assert "eagerly" in result["warnings"][0] and "InvalidCxxCompiler" in result["warnings"][0]
+    assert len(result["warnings"]) == 1  # once per process
+    assert "torch operations" in result["warnings"][0] and "/nonexistent/c++" in result["warnings"][0]
+    values = torch.randn(4 * BLOCK + 5, generator=torch.Generator().manual_seed(0))
+    codes, absmax = torch.empty(values.numel(), dtype=torch.uint8), torch.empty(5)
+    quantise_blockwise(values, codes, absmax, True)  # here, by the C++ kernels
+    assert result["codes"] == codes.tolist()
+    assert not list(tmp_path.rglob("*.so"))
 
 
 def test_quantising_what_was_dequantised_gives_the_same_codes() -> None:
