@@ -38,12 +38,6 @@ own cache, kept between runs (the ops take minutes to build) and apart from the 
 ``~/.cache/torch_extensions``. One per torch installation (Python, release and place), since a
 build is only good for the torch it was built against and names its headers' place: two
 environments sharing one would rebuild the ops whenever they take turns."""
-INDUCTOR_CACHE = TORCH_EXTENSIONS.with_name(
-    TORCH_EXTENSIONS.name.replace("torch-extensions", "torchinductor")
-)
-"""Where the tests (and their children) keep the machine code ``torch.compile`` makes (the
-compressed optimizer state's CPU kernels): the tests' own cache, kept between runs, rather than
-``/tmp/torchinductor_<user>``."""
 DEEPSPEED_OPS = ("CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
 """The ops the DeepSpeed runs on CPU load: DeepSpeedCPUAdam's kernel, the swappers' pinned
 buffers and asynchronous I/O, the shared-memory collectives of a DeepSpeed process group."""
@@ -59,8 +53,7 @@ for name in {DEEPSPEED_OPS!r}:
 @pytest.fixture(scope="session", autouse=True)
 def torch_extensions() -> Iterator[Path]:
     """``TORCH_EXTENSIONS_DIR`` for the whole run: :data:`TORCH_EXTENSIONS`, cleared first of the
-    build locks a killed run left behind (which would make each build wait for ever); and
-    ``TORCHINDUCTOR_CACHE_DIR``: :data:`INDUCTOR_CACHE`.
+    build locks a killed run left behind (which would make each build wait for ever).
 
     The environment's own ``bin`` goes first on ``PATH`` too, for this process and its children
     alike: torch's build runs the first ``ninja`` it finds, and two ninja releases (the
@@ -70,7 +63,6 @@ def torch_extensions() -> Iterator[Path]:
     remove_abandoned_build_locks(TORCH_EXTENSIONS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS))
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE))
         patch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         yield TORCH_EXTENSIONS
 
