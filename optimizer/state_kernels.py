@@ -261,13 +261,16 @@ def quantise_blockwise(values: torch.Tensor, codes: torch.Tensor, absmax: torch.
     table, flip = _bucket_table(signed, values.device), _sign_flip(signed)
     native = _native_for(values, codes, absmax)
     if native is not None:
-        native.tierstore_quantise(
-            values.data_ptr(),
+        _in_parallel(
             values.numel(),
-            codes.data_ptr(),
-            absmax.data_ptr(),
-            table.data_ptr(),
-            int(flip),
+            lambda start, stop: native.tierstore_quantise(
+                values.data_ptr() + 4 * start,
+                stop - start,
+                codes.data_ptr() + start,
+                absmax.data_ptr() + 4 * (start // BLOCK),
+                table.data_ptr(),
+                int(flip),
+            ),
         )
         return
     full = values.numel() // BLOCK
