@@ -6,7 +6,8 @@ docstring under it). [`OffloadedAdamW`][], [`OffloadedAPOLLO`][] and
 arguments, ``**staging``, typed for their callers by [`StagingKeywords`][] (a test holds its keys
 equal to the fields), and check them through the fields (`optimizer_options`). The three that
 `SubGroupStager` takes are [`StagingOptions`][], which the DeepSpeed config's ``tierstore`` section
-takes through the same fields (`tierstore.integrations.deepspeed.config`).
+takes through the same fields (`tierstore.integrations.deepspeed.config`), as it takes
+``state_precision`` (`defined_in`).
 
 An option is added as a field of [`OptimizerOptions`][] (or of [`StagingOptions`][], where the
 DeepSpeed section takes it too) and its key in [`StagingKeywords`][]; the optimizers read it from
@@ -17,15 +18,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import BeforeValidator, ByteSize, Field, field_validator
 
-from .._checks import ConfigModel, check_arguments, is_integer
+from .._checks import ConfigModel, Takes, check_arguments, is_integer
 from ..errors import ConfigError
 from .state_precision import PRESETS, StatePrecision, state_precision
 
 CachePolicy = Literal["model", "static", "none"]
+
+
+def _checked_precision(value: Any) -> StatePrecision:
+    """``value`` as a [`StatePrecision`][]
+    ([`state_precision`][tierstore.optimizer.state_precision.state_precision]), or a ``ValueError``
+    that pydantic reports naming the field."""
+    try:
+        return state_precision(value)
+    except ConfigError as error:
+        raise ValueError(str(error).removeprefix("state_precision: ")) from None
+
+
+Precision = Annotated[
+    StatePrecision,
+    BeforeValidator(_checked_precision),
+    Takes(f"{', '.join(repr(name) for name in PRESETS)}, or a table of `moments` and `master`"),
+]
+"""The type of the ``state_precision`` option: a preset's name, a [`StatePrecision`][] or a mapping
+of its fields, held as a [`StatePrecision`][]."""
 
 
 class StagingOptions(ConfigModel):
@@ -56,19 +76,12 @@ class OptimizerOptions(StagingOptions):
     gpu_budget: ByteSize | None = None
     """Parameters on a GPU only: GPU memory for sub-groups that stay there between steps, which then
     never cross the bus; None or 0 for none (see [`tierstore.optimizer.device`][])."""
-    state_precision: StatePrecision = PRESETS["fp32"]
+    state_precision: Precision = Field("fp32", validate_default=True)
     """How the state is stored and moved: a preset's name (``"fp32"``, exact; ``"bf16"`` moments;
     ``"int8"`` blockwise-quantised moments; ``"int8-compensated"``, with a bf16-compensated master
-    for low-precision parameters) or a [`StatePrecision`][] (see
+    for low-precision parameters) or a
+    [`StatePrecision`][tierstore.optimizer.state_precision.StatePrecision] (see
     [`tierstore.optimizer.state_precision`][])."""
-
-    @field_validator("state_precision", mode="before")
-    @classmethod
-    def _precision(cls, value: Any) -> StatePrecision:
-        try:
-            return state_precision(value)
-        except ConfigError as error:
-            raise ValueError(str(error).removeprefix("state_precision: ")) from None
 
     @field_validator("max_grad_norm", mode="before")
     @classmethod

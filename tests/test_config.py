@@ -290,6 +290,8 @@ def definition(field: FieldInfo) -> tuple[object, ...]:
 def test_the_deepspeed_section_reuses_the_definitions() -> None:
     section = TierstoreSection.model_fields
     assert definition(section["workers"]) == definition(StoreOptions.model_fields["workers"])
+    precision = OptimizerOptions.model_fields["state_precision"]
+    assert definition(section["state_precision"]) == definition(precision)
     for name, field in StagingOptions.model_fields.items():
         assert definition(section[name]) == definition(field)
     assert issubclass(ActivationsSection, ActivationOptions)

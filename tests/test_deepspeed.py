@@ -20,12 +20,15 @@ pytest.importorskip("deepspeed")
 
 import torch
 from tierstore.integrations.deepspeed import check_deepspeed_version, validate_config
-from tierstore.integrations.deepspeed.checkpoints import CHECKPOINT_INDEX
+from tierstore.integrations.deepspeed.checkpoints import CHECKPOINT_INDEX, checkpoint_store, read_index
+from tierstore.integrations.deepspeed.config import TierstoreSection, parse_section
+from tierstore.integrations.deepspeed.swapper import PACKED_ROWS, TierStoreSwapper
+from tierstore.optimizer.state_precision import PRESETS, PackedLayout
 
-from tierstore import ConfigError, UnsupportedVersionError
+from tierstore import BufferMismatchError, ConfigError, UnsupportedVersionError
 from tierstore.app.demo import GPT, Linear
 
-from .helpers import run_ranks
+from .helpers import make_store, run_ranks
 
 SMALL = ["--layers", "2", "--width", "256", "--heads", "4", "--vocab", "2048", "--sub-group-size", "1000000"]
 BF16_TOLERANCE = 2e-2  # relative; bf16 keeps 8 bits of mantissa
@@ -207,6 +210,181 @@ def test_checkpoint_resumes_exactly(scratch: Path) -> None:
     assert list((indexes[0].parent / "objects").iterdir())
 
 
+def stored_objects(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The bytes of every object of the one rank's optimizer state in a checkpoint directory, by
+    key."""
+    (index,) = checkpoint.rglob(CHECKPOINT_INDEX)
+    with checkpoint_store(index.parent) as store:
+        keys = store.keys()
+        return {key: store.get(key).result().reshape(-1).view(torch.uint8) for key in keys}
+
+
+def test_compressed_state_is_stored_packed_and_resumes_exactly(scratch: Path) -> None:
+    """``state_precision: "int8-compensated"`` over bf16 weights: each sub-group's store object is
+    its packed layout (8-bit moments, the master as the bf16 partition plus a bf16 compensation),
+    which a checkpoint carries beside the partitions. A fresh engine loading it holds the same bytes
+    (saved again at once) and trains on to the losses and weights of the uninterrupted run, bit for
+    bit; an engine storing fp32 state refuses the checkpoint."""
+    precision = PRESETS["int8-compensated"]
+    common = ["--offload", "tierstore", "--steps", "6", *SMALL, "--state-precision", "int8-compensated"]
+    straight = train(
+        *common,
+        "--nvme",
+        str(scratch / "a"),
+        "--save",
+        str(scratch / "saved"),
+        "--save-after",
+        "3",
+        "--parameters",
+        str(scratch / "a.pt"),
+        output=scratch / "a.json",
+    )
+    resumed = train(
+        *common,
+        "--nvme",
+        str(scratch / "b"),
+        "--load",
+        str(scratch / "saved"),
+        "--save",
+        str(scratch / "loaded"),
+        "--save-after",
+        "3",
+        "--parameters",
+        str(scratch / "b.pt"),
+        output=scratch / "b.json",
+    )
+    assert losses(straight)[-1] < losses(straight)[0] - 1  # it learns
+    assert losses(resumed) == losses(straight)[3:]
+    uninterrupted, continued = torch.load(scratch / "a.pt"), torch.load(scratch / "b.pt")
+    assert all(torch.equal(continued[name], weights) for name, weights in uninterrupted.items())
+
+    (index,) = (scratch / "saved").rglob(CHECKPOINT_INDEX)
+    subgroups, _, saved_precision = read_index(index.parent)
+    assert saved_precision == precision
+    saved = stored_objects(scratch / "saved")
+    assert set(saved) == {f"rank0/{name}{part}" for name in subgroups for part in ("", ".low-precision")}
+    packed = {
+        name: 4 * PackedLayout(PACKED_ROWS, sg.numel, precision).words for name, sg in subgroups.items()
+    }
+    for name, subgroup in subgroups.items():
+        assert saved[f"rank0/{name}"].numel() == packed[name] < 5 * subgroup.numel  # fp32 state: 12
+        assert saved[f"rank0/{name}.low-precision"].numel() == 2 * subgroup.numel  # the bf16 partition
+    assert straight[0]["bytes_read"] == sum(packed.values())  # the first update reads every sub-group
+    loaded = stored_objects(scratch / "loaded")
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[key], stored) for key, stored in saved.items())
+
+    with pytest.raises(
+        AssertionError, match=r"BufferMismatchError: .*'int8-compensated', this engine's in 'fp32'"
+    ):
+        train(
+            *common[:-2],
+            "--nvme",
+            str(scratch / "c"),
+            "--load",
+            str(scratch / "saved"),
+            output=scratch / "c.json",
+        )
+
+
+SUBGROUPS = {"0_3": 700, "4_9": 300}
+"""The sub-groups of the swappers built directly (by ``ds_id``) and their elements."""
+
+
+def direct_swapper(
+    directory: Path, precision: str, seed: int
+) -> tuple[TierStoreSwapper, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """A swapper as the engine builds it, without DeepSpeed, over `SUBGROUPS`, initialised from
+    random bf16 partitions; its partitions by name and its fp32 partitions (DeepSpeed's
+    parameters)."""
+    generator = torch.Generator().manual_seed(seed)
+    partitions = {
+        name: torch.randn(numel, generator=generator).bfloat16() for name, numel in SUBGROUPS.items()
+    }
+    parameters = []
+    for name in SUBGROUPS:
+        parameter = torch.empty(0)
+        parameter.ds_id = name  # type: ignore[attr-defined]
+        parameters.append(parameter)
+    swapper = TierStoreSwapper(
+        make_store(directory, "dram"),
+        TierstoreSection.model_validate({"state_precision": precision}),
+        directory / "swap",
+        torch.optim.Adam([torch.zeros(1)]),
+        largest_numel=max(SUBGROUPS.values()),
+        namespace="rank0",
+        low_precision=lambda parameter: partitions[parameter.ds_id],  # type: ignore[attr-defined]
+    )
+    swapper.initialize_parameters(parameters, list(partitions.values()))
+    return swapper, partitions, parameters
+
+
+def step_directly(
+    swapper: TierStoreSwapper, partitions: dict[str, torch.Tensor], parameters: list[torch.Tensor]
+) -> None:
+    """What an update does to each sub-group through the swapper: new master weights and moments,
+    the master copied into the partition (as DeepSpeed copies it), then the swap-out."""
+    generator = torch.Generator().manual_seed(7)
+    for parameter in parameters:
+        swapper.swap_in_optimizer_state(parameter)
+        swapper.create_adam_state(parameter)
+        state = swapper.optimizer.state[parameter]
+        parameter.data.add_(torch.randn(parameter.shape, generator=generator), alpha=1e-3)
+        state["exp_avg"].copy_(torch.randn(parameter.shape, generator=generator))
+        state["exp_avg_sq"].copy_(torch.rand(parameter.shape, generator=generator))
+        partitions[parameter.ds_id].copy_(parameter.data)  # type: ignore[attr-defined]
+        swapper.swap_out_optimizer_state(parameter)
+
+
+def stored_bytes(swapper: TierStoreSwapper) -> dict[str, torch.Tensor]:
+    return {name: swapper.stager.read(name).view(torch.uint8).clone() for name in SUBGROUPS}
+
+
+@pytest.mark.parametrize(("saved", "loading"), [("int8-compensated", "fp32"), ("fp32", "int8-compensated")])
+def test_a_checkpoint_of_another_state_precision_is_refused_before_anything_changes(
+    tmp_path: Path, saved: str, loading: str
+) -> None:
+    """The loading engine's stored state and its low-precision partitions (which a compensated
+    master's load replaces) are as they were."""
+    saver, saver_partitions, saver_parameters = direct_swapper(tmp_path / "saver", saved, seed=0)
+    step_directly(saver, saver_partitions, saver_parameters)
+    saver.export_checkpoint(tmp_path / "checkpoint", {"passes": 1})
+    saver.close()
+    loader, partitions, parameters = direct_swapper(tmp_path / "loader", loading, seed=1)
+    step_directly(loader, partitions, parameters)
+    before = stored_bytes(loader), {name: partition.clone() for name, partition in partitions.items()}
+    with pytest.raises(BufferMismatchError, match=f"state_precision '{saved}', this engine's in '{loading}'"):
+        loader.restore_checkpoint(tmp_path / "checkpoint")
+    after = stored_bytes(loader)
+    assert all(torch.equal(after[name], stored) for name, stored in before[0].items())
+    assert all(torch.equal(partitions[name], partition) for name, partition in before[1].items())
+    loader.close()
+
+
+def test_deepspeeds_own_fp32_state_is_packed_as_it_is_imported(tmp_path: Path) -> None:
+    """A checkpoint of DeepSpeed's own NVMe offload (fp32 masters and Adam moments) imported into
+    ``int8-compensated`` state: each sub-group is stored as the packing of its rows, its
+    partition takes the master rounded, and its step count is restored."""
+    swapper, partitions, parameters = direct_swapper(tmp_path, "int8-compensated", seed=0)
+    rows = [torch.cat([torch.randn(2 * numel), torch.rand(numel)]) for numel in SUBGROUPS.values()]
+    masters, entries = [], []
+    for numel, state in zip(SUBGROUPS.values(), rows, strict=True):
+        master, exp_avg, exp_avg_sq = state.view(3, numel)
+        masters.append(master)
+        entries.append({"step": 4, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+    swapper.import_deepspeed_state(parameters, masters, entries)
+    for (name, numel), master, state, parameter in zip(
+        SUBGROUPS.items(), masters, rows, parameters, strict=True
+    ):
+        layout = PackedLayout(PACKED_ROWS, numel, PRESETS["int8-compensated"])
+        expected = torch.empty(layout.words)
+        layout.encode(state, expected, [(0, numel, torch.bfloat16)])
+        assert torch.equal(swapper.stager.read(name).view(torch.uint8), expected.view(torch.uint8)), name
+        assert torch.equal(partitions[name], master.bfloat16()), name
+        assert swapper.optimizer.state[parameter]["step"] == 4
+    swapper.close()
+
+
 def test_two_ranks_match_one_and_share_the_node_limit(scratch: Path) -> None:
     tiers = [
         {
@@ -292,6 +470,25 @@ def test_bad_tierstore_section_values_name_the_field() -> None:
             config = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero, "tierstore": section}
             with pytest.raises(ConfigError, match=rf"tierstore\.activations\.{field}: "):
                 validate_config(config)
+
+
+def test_the_section_takes_state_precision_as_the_optimizers_do() -> None:
+    """A preset's name or a table of ``moments`` and ``master``; ``"auto"`` or nothing is fp32."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x"}}
+
+    def config(section: dict[str, Any]) -> dict[str, Any]:
+        return {"optimizer": {"type": "AdamW"}, "zero_optimization": zero, "tierstore": section}
+
+    for name, preset in PRESETS.items():
+        assert parse_section(validate_config(config({"state_precision": name}))).state_precision == preset
+    table = {"moments": "bf16", "master": "bf16-compensated"}
+    taken = parse_section(config({"state_precision": table})).state_precision
+    assert (taken.moments, taken.master) == ("bf16", "bf16-compensated")
+    for section in ({}, {"state_precision": "auto"}):
+        assert parse_section(config(section)).state_precision == PRESETS["fp32"]
+    for value in ["int4", "INT8", 8, None, {"moments": "int4"}, {"moments": "int8", "scale": 2}]:
+        with pytest.raises(ConfigError, match=r"tierstore\.state_precision: .*must be one of 'fp32', 'bf16'"):
+            validate_config(config({"state_precision": value}))
 
 
 def test_a_run_leaves_no_empty_directories_behind(scratch: Path) -> None:

@@ -23,6 +23,7 @@ pydantic's ``ByteSize``) follows one rule from Python as in a document, `byte_co
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import operator
 import os
@@ -57,6 +58,15 @@ SIZE_REQUIREMENT = f"a number of bytes >= 0 ({SIZE_FORMS})"
 """What a size in bytes must be, as every message that refuses one says it."""
 
 _SIZE_TEXT = TypeAdapter(ByteSize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Takes:
+    """What a field takes, in words (`requirement`), where its type does not say it: metadata of
+    an ``Annotated`` type whose validator converts what it is given
+    (``Annotated[Format, BeforeValidator(parse), Takes("a format's name or a table")]``)."""
+
+    words: str
 
 
 def is_integer(value: object) -> TypeGuard[int]:
@@ -193,6 +203,9 @@ def _words(annotation: Any, metadata: list[Any], with_none: bool) -> str:
     if origin is Annotated:
         inner, *more = get_args(annotation)
         return _words(inner, [*metadata, *more], with_none)
+    described = next((item.words for item in metadata if isinstance(item, Takes)), None)
+    if described is not None:
+        return described
     if origin in (Union, UnionType):
         arguments = get_args(annotation)
         words = " or ".join(_words(arg, metadata, with_none) for arg in arguments if arg is not NoneType)

@@ -4,13 +4,14 @@ A save copies every sub-group's state object into a persistent store of the chec
 ``<tag>/tierstore/rank<NN>/`` beside the engine's files ([`TierStore.copy_to`][]: hard links where
 the store and the checkpoint share a file system, so no byte moves and the save takes a few metadata
 operations), then writes the index (`CHECKPOINT_INDEX`: each sub-group's size, state tensors and
-scalars, and the optimizer's own counters), which is the checkpoint's commit. A load copies the
-objects back the same way, or imports a checkpoint of DeepSpeed's own NVMe offload from its swap
-files (`read_swap_file`).
+scalars, the ``state_precision`` the objects are stored in, and the optimizer's own counters),
+which is the checkpoint's commit. A load copies the objects back the same way, or imports a
+checkpoint of DeepSpeed's own NVMe offload from its swap files (`read_swap_file`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -22,16 +23,18 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from pydantic import ByteSize
+from tierstore.optimizer.state_precision import FP32_STATE, StatePrecision, state_precision
 
 from tierstore.config import CacheConfig, StoreConfig, TierConfig
 from tierstore.dtypes import dtype_from_name, dtype_name
-from tierstore.errors import BufferMismatchError
+from tierstore.errors import BufferMismatchError, ConfigError
 from tierstore.store import TierStore
 
 CHECKPOINT_FORMAT = 3
 CHECKPOINT_INDEX = "tierstore-checkpoint.json"
 """A checkpoint's index, written last: its format, each sub-group's size, state tensors and
-scalars, and the optimizer's own counters."""
+scalars, the ``state_precision`` of a compressed state (none for fp32 state), and the optimizer's
+own counters."""
 
 
 @dataclass(frozen=True)
@@ -64,22 +67,32 @@ def checkpoint_store(folder: Path) -> TierStore:
     )
 
 
-def write_index(folder: Path, subgroups: Mapping[str, SavedSubGroup], extra: dict[str, Any]) -> None:
+def write_index(
+    folder: Path,
+    subgroups: Mapping[str, SavedSubGroup],
+    extra: dict[str, Any],
+    precision: StatePrecision = FP32_STATE,
+) -> None:
     """Commit a checkpoint whose objects are in ``folder``'s store: its index, listing the
-    sub-groups and the optimizer's own counters (``extra``), written whole or not at all."""
+    sub-groups, the ``precision`` they are stored in and the optimizer's own counters (``extra``),
+    written whole or not at all."""
     entries = {
         name: {"numel": saved.numel, "states": list(saved.states), "scalars": _encode_scalars(saved, name)}
         for name, saved in subgroups.items()
     }
     index = folder / CHECKPOINT_INDEX
+    content: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "subgroups": entries, "extra": extra}
+    if precision.compressed:
+        content["state_precision"] = dataclasses.asdict(precision)
     temporary = index.with_name(f".{index.name}.tmp")
-    temporary.write_text(json.dumps({"format": CHECKPOINT_FORMAT, "subgroups": entries, "extra": extra}))
+    temporary.write_text(json.dumps(content))
     os.replace(temporary, index)
 
 
-def read_index(folder: Path) -> tuple[dict[str, SavedSubGroup], dict[str, Any]]:
-    """A checkpoint's sub-groups and the ``extra`` its `write_index` was given; a
-    [`BufferMismatchError`][] for an index that is missing, unreadable or of another format."""
+def read_index(folder: Path) -> tuple[dict[str, SavedSubGroup], dict[str, Any], StatePrecision]:
+    """A checkpoint's sub-groups, the ``extra`` its `write_index` was given and the precision its
+    sub-groups are stored in; a [`BufferMismatchError`][] for an index that is missing, unreadable
+    or of another format."""
     index = folder / CHECKPOINT_INDEX
     try:
         saved = json.loads(index.read_text())
@@ -94,7 +107,11 @@ def read_index(folder: Path) -> tuple[dict[str, SavedSubGroup], dict[str, Any]]:
         for name, entry in saved["subgroups"].items()
     }
     extra: dict[str, Any] = saved["extra"]
-    return subgroups, extra
+    try:
+        precision = state_precision(saved.get("state_precision", {}), f"{index}: state_precision")
+    except ConfigError as error:
+        raise BufferMismatchError(str(error)) from None
+    return subgroups, extra, precision
 
 
 def read_swap_file(file: str, target: torch.Tensor) -> None:

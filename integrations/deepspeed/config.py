@@ -12,12 +12,14 @@ unknown keys, so the section sits at the top level::
         "prefetch_depth": 2,
         "cache_policy": "model",
         "order": "alternate",
+        "state_precision": "int8-compensated",
         "activations": {"budget": "2GiB", "min_bytes": "1MiB", "plan": "lifetime"}
     }
 
 Each key is the option it configures, as that option is defined once: the optimizer's staging
-options ([`StagingOptions`][]), the store's ``tiers`` and ``workers`` (`tierstore.config`), and the
-activation offload's options (`ActivationOptions`). Without ``tiers``, one NVMe tier under
+options ([`StagingOptions`][]) and its ``state_precision`` ([`OptimizerOptions`][]), the store's
+``tiers`` and ``workers`` (`tierstore.config`), and the activation offload's options
+(`ActivationOptions`). Without ``tiers``, one NVMe tier under
 ``offload_optimizer.nvme_path`` is used. A key of the section or of ``activations`` set to
 ``"auto"`` (Hugging Face's placeholder) takes its default; ``"auto"`` anywhere else in the section
 is an error naming the field.
@@ -31,7 +33,8 @@ from typing import Any, Literal
 
 from pydantic import ByteSize, Field, ValidationError
 from tierstore.activations.options import ActivationOptions
-from tierstore.optimizer.options import StagingOptions
+from tierstore.optimizer.options import OptimizerOptions, StagingOptions
+from tierstore.optimizer.state_precision import StatePrecision
 
 from tierstore._checks import defined_in
 from tierstore.config import CacheConfig, StoreConfig, StoreOptions, TierConfig
@@ -47,14 +50,16 @@ class ActivationsSection(ActivationOptions):
 
 
 class TierstoreSection(StagingOptions):
-    """The ``tierstore`` section: the optimizer's staging options ([`StagingOptions`][]), the
-    store's ``tiers`` and ``workers`` (as in a store config), and what the engine does with them."""
+    """The ``tierstore`` section: the optimizer's staging options ([`StagingOptions`][]) and
+    ``state_precision``, the store's ``tiers`` and ``workers`` (as in a store config), and what the
+    engine does with them."""
 
     tiers: list[TierConfig] | None = Field(None, min_length=1)
-    """Where the fp32 optimizer state goes, as a store config's ``tiers`` (virtual tiers,
+    """Where the optimizer state goes, as a store config's ``tiers`` (virtual tiers,
     ``node_limit`` for a shared PFS...); none: one NVMe tier at
     ``<nvme_path>/tierstore/rank<N>``."""
     workers: int = defined_in(StoreOptions, "workers")
+    state_precision: StatePrecision = defined_in(OptimizerOptions, "state_precision")
     order: Literal["alternate", "ascending"] = "alternate"
     """Sub-group order per step: ``alternate`` forward/reverse (cache-friendly), or DeepSpeed's own
     ``ascending``."""

@@ -51,6 +51,7 @@ def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
             "prefetch_depth": args.prefetch_depth,
             "cache_policy": args.cache_policy,
             "order": args.order,
+            "state_precision": args.state_precision,
         }
         if args.tiers:
             section["tiers"] = json.loads(args.tiers)
@@ -93,8 +94,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--prefetch-depth", type=int, default=2)
     parser.add_argument("--cache-policy", default="model", choices=["model", "static", "none"])
     parser.add_argument("--order", default="alternate", choices=["alternate", "ascending"])
+    parser.add_argument(
+        "--state-precision",
+        default="fp32",
+        choices=["fp32", "bf16", "int8", "int8-compensated"],
+        help="tierstore: how the optimizer state is stored (tierstore.state_precision)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", type=Path, help="checkpoint directory written after --save-after steps")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        help="checkpoint directory written after --save-after steps (at once after --load from that step)",
+    )
     parser.add_argument("--save-after", type=int, default=0)
     parser.add_argument("--load", type=Path, help="resume from this checkpoint directory")
     parser.add_argument("--json", type=Path)
@@ -149,7 +160,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         first = engine.global_steps
     tiers = engine.optimizer.optimizer_swapper.store.tiers if args.offload == "tierstore" else []
     rows = []
-    for step in range(first, args.steps):
+    for step in range(first, args.steps + 1):
+        if args.save is not None and step == args.save_after:
+            engine.save_checkpoint(str(args.save), tag="checkpoint")
+        if step == args.steps:
+            break
         moved = sum(t.bytes_read for t in tiers), sum(t.bytes_written for t in tiers)
         tokens, targets = batch(args, step, rank, world)
         began = time.perf_counter()
@@ -180,8 +195,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
-        if args.save is not None and step + 1 == args.save_after:
-            engine.save_checkpoint(str(args.save), tag="checkpoint")
     if args.json is not None and rank == 0:
         parameters = sum(p.ds_numel for p in model.parameters())  # type: ignore[attr-defined]
         adam_steps = [  # Adam's step count per sub-group (DeepSpeed's optimizer keeps one per flat partition)

@@ -5,6 +5,10 @@ DeepSpeed swaps each fp32 sub-group partition in before its update and out after
 `SubGroupStager` (read-ahead in the pass order it is told, the end of a pass kept in DRAM,
 background write-back) instead of DeepSpeed's aio swap files. It also moves its sub-groups into and
 out of a checkpoint (`checkpoints`).
+
+In a compressed ``state_precision`` ([`tierstore.optimizer.state_precision`][]) the store, the
+staging ring and the sub-groups kept in DRAM hold each sub-group packed; swap-in unpacks it into
+one fp32 buffer, where DeepSpeed's optimizer updates it in place, and swap-out packs it back.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from tierstore.optimizer.state_precision import PackedLayout, RowKind
 from tierstore.optimizer.subgroup_stager import FP32, SubGroupStager
 
 from tierstore._directories import missing_directories, remove_empty
@@ -25,9 +30,14 @@ from tierstore.errors import BufferMismatchError, CapacityError, ConfigError
 from tierstore.store import TierStore
 
 from .checkpoints import SavedSubGroup, checkpoint_store, read_index, read_swap_file, write_index
-from .config import TierstoreSection
+from .config import SECTION, TierstoreSection
 
 MAX_STATE_TENSORS = 2  # Adam/AdamW: exp_avg, exp_avg_sq
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+"""The state tensors a compressed sub-group holds, in order (a sub-group not yet updated holds
+none: its moments are zeros)."""
+PACKED_ROWS: tuple[RowKind, ...] = ("master", "signed", "nonnegative")
+"""What each row of a compressed sub-group holds: the master weights, then `ADAM_STATES`."""
 
 
 class TierStoreSwapper:
@@ -38,10 +48,30 @@ class TierStoreSwapper:
     whatever the optimizer keeps per element (Adam: ``exp_avg``, ``exp_avg_sq``), discovered when
     it first creates them; between swap-in and swap-out they are views into the staging buffer.
 
+    In a compressed ``state_precision`` the object is the three rows ``[master | exp_avg |
+    exp_avg_sq]`` packed ([`PackedLayout`][tierstore.optimizer.state_precision.PackedLayout]), and
+    the views are into one fp32 buffer it is unpacked into, so one sub-group is swapped in at a
+    time (as DeepSpeed's step, initialisation and checkpoint load swap them); a swap-out packs the
+    buffer back. Packing what was unpacked gives the same bytes, so a swap-out without an update
+    (DeepSpeed's checkpoint load swaps every sub-group in and out) leaves them as they were.
+
     ``swap_folder`` (where DeepSpeed's engine copies its swap files in and out of a checkpoint) is
     created here, and ``store_directories`` are those created for the store's tier (from
     `missing_directories`); `close` removes both once the store is closed, as far as they are empty,
     so that a run leaves no empty trees behind.
+
+    Args:
+        store: the rank's store of the sub-groups' state.
+        section: the DeepSpeed config's ``tierstore`` section: the staging options and the
+            ``state_precision``.
+        swap_folder: where DeepSpeed's engine copies its swap files in and out of a checkpoint.
+        optimizer: DeepSpeed's optimizer, whose ``state`` gets the views.
+        largest_numel: elements of the largest sub-group (the staging buffers hold its state).
+        namespace: the prefix of the sub-groups' store keys.
+        low_precision: the model's low-precision partition of the sub-group whose fp32 partition
+            it is given (None where DeepSpeed keeps it on NVMe): what a ``bf16-compensated``
+            master is compensated against.
+        store_directories: the directories made for the store's tier.
     """
 
     def __init__(
@@ -52,25 +82,35 @@ class TierStoreSwapper:
         optimizer: torch.optim.Optimizer,
         largest_numel: int,
         namespace: str,
+        low_precision: Callable[[torch.Tensor], torch.Tensor | None],
         store_directories: Sequence[Path] = (),
     ) -> None:
         self.store = store
         self.optimizer = optimizer
+        self.precision = section.state_precision
+        """The format the sub-groups are stored in."""
+        self._low_precision = low_precision
         self.swap_folder = str(swap_folder)
         made = missing_directories(swap_folder)
         os.makedirs(self.swap_folder, mode=0o700, exist_ok=True)
+        unpacked = len(PACKED_ROWS) * largest_numel if self.precision.compressed else 0
         self.stager = SubGroupStager(
             store,
             namespace,
-            slot_elements=(1 + MAX_STATE_TENSORS) * largest_numel,
+            slot_elements=self._stored_numel(largest_numel, ADAM_STATES),
             dram_budget=None if section.dram_budget is None else int(section.dram_budget),
             prefetch_depth=section.prefetch_depth,
             cache_policy=section.cache_policy,
-            reserved_bytes=FP32 * largest_numel,
+            reserved_bytes=FP32 * (largest_numel + unpacked),
             owner=type(self).__name__,
         )
         self.gradient = aligned_tensor(largest_numel)
         """The one fp32 gradient buffer sub-groups are converted into during the update."""
+        self._rows = torch.empty(unpacked, dtype=torch.float32)
+        """The fp32 state a compressed sub-group is unpacked into while it is swapped in (none for
+        fp32 state, which is updated in its staging buffer); counted in ``dram_budget``."""
+        self._swapped_in: tuple[str, torch.Tensor] | None = None
+        """The compressed sub-group unpacked into `_rows`, and its packed object in DRAM."""
         self._parameters: dict[str, torch.Tensor] = {}
         self._numels: dict[str, int] = {}
         self._state_names: dict[str, tuple[str, ...]] = {}
@@ -86,7 +126,13 @@ class TierStoreSwapper:
     ) -> None:
         for parameter, source in zip(parameters, src_tensors, strict=True):
             name = self._register(parameter, source.numel())
-            self.stager.write(name, source.numel(), functools.partial(_copy_flat, source))
+            if self.precision.compressed:
+                rows = self._unpacked_rows(source.numel())
+                rows[: source.numel()].copy_(source.reshape(-1))
+                rows[source.numel() :].zero_()
+                self._write_packed(name, rows)
+            else:
+                self.stager.write(name, source.numel(), functools.partial(_copy_flat, source))
         self.stager.wait_writes()
 
     def initialize_from_swapped_fp16_params(self, *args: Any, **kwargs: Any) -> None:
@@ -103,7 +149,7 @@ class TierStoreSwapper:
         name = self._name(parameter)
         numel = self._numels[name]
         names = self._state_names[name]
-        state = self.stager.acquire(name, (1 + len(names)) * numel)
+        state = self._unpacked(name, self.stager.acquire(name, self._stored_numel(numel, names)))
         parameter.data = state[:numel]
         entry = self.optimizer.state[parameter]
         for slot, key in enumerate(names, start=1):
@@ -122,12 +168,12 @@ class TierStoreSwapper:
         if entry or self._state_names[name]:
             return
         numel = self._numels[name]
-        state = self.stager.resize(name, 3 * numel)
+        state = self._held_state(name, 3 * numel)
         state[numel:].zero_()
         parameter.data = state[:numel]
         entry["step"] = 0
         entry["exp_avg"], entry["exp_avg_sq"] = state[numel : 2 * numel], state[2 * numel :]
-        self._state_names[name] = ("exp_avg", "exp_avg_sq")
+        self._state_names[name] = ADAM_STATES
 
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
         """Lay the state tensors out in the buffer (copying any the optimizer created anew), then
@@ -144,7 +190,8 @@ class TierStoreSwapper:
                 f"the optimizer keeps {len(tensors)} state tensors per element; tierstore stages at most "
                 f"{MAX_STATE_TENSORS} (Adam/AdamW)"
             )
-        state = self.stager.resize(name, (1 + len(tensors)) * numel)
+        self._check_packable(tuple(key for key, _ in tensors), f"sub-group {name}")
+        state = self._held_state(name, (1 + len(tensors)) * numel)
         targets = [state[slot * numel : (slot + 1) * numel] for slot in range(1, len(tensors) + 1)]
         sources = [
             value if value.data_ptr() == target.data_ptr() else value.clone()
@@ -157,6 +204,7 @@ class TierStoreSwapper:
             value.data = torch.empty(0, dtype=value.dtype)
         parameter.data = torch.empty(0, dtype=parameter.dtype)
         self._state_names[name] = tuple(key for key, _ in tensors)
+        self._pack(name)
         self.stager.release(name)
 
     def release_swap_buffers(self, parameter: torch.Tensor) -> None:
@@ -195,7 +243,9 @@ class TierStoreSwapper:
     def begin_pass(self, parameters: Sequence[torch.Tensor]) -> None:
         """A step will visit these sub-groups in this order."""
         names = [self._name(p) for p in parameters]
-        self.stager.begin_pass(names, {n: (1 + len(self._state_names[n])) * self._numels[n] for n in names})
+        self.stager.begin_pass(
+            names, {n: self._stored_numel(self._numels[n], self._state_names[n]) for n in names}
+        )
 
     def end_pass(self) -> None:
         self.stager.end_pass()
@@ -203,40 +253,67 @@ class TierStoreSwapper:
     def export_checkpoint(self, folder: Path, extra: dict[str, Any]) -> None:
         """Copy every sub-group's state into the checkpoint's store in ``folder``
         (`checkpoint_store`; hard links where they share a file system), then commit the index with
-        the optimizer's per-sub-group scalars (step counts) and ``extra``, so an interrupted save
-        leaves no checkpoint that looks whole."""
+        the optimizer's per-sub-group scalars (step counts), the ``state_precision`` and ``extra``,
+        so an interrupted save leaves no checkpoint that looks whole. A compensated master's
+        low-precision partitions are saved beside the state (``<sub-group>.low-precision``): the
+        master is each partition plus its stored compensation."""
         self.stager.flush()  # the sub-groups kept in DRAM: their current state to the store
         with checkpoint_store(folder) as saved:
             self.store.copy_to(saved, [self.stager.key(name) for name in self._parameters])
+            writes = [
+                saved.put(self._partition_key(name), window, cache=False)
+                for name in self._parameters
+                for _, window in self._compensated_windows(name)
+            ]
+            for write in writes:
+                write.result()
         subgroups = {
             name: SavedSubGroup(
                 self._numels[name], self._state_names[name], self.optimizer.state.get(parameter, {})
             )
             for name, parameter in self._parameters.items()
         }
-        write_index(folder, subgroups, extra)
+        write_index(folder, subgroups, extra, self.precision)
 
     def restore_checkpoint(self, folder: Path) -> dict[str, Any]:
         """Copy the sub-groups' state back from the checkpoint's store in ``folder`` into this
         store (hard links where they share a file system) and their scalars into the optimizer;
-        returns the index's ``extra``. The model's sub-groups must match the saved ones (same
-        model, sub_group_size and world size); a checkpoint that does not fit changes nothing."""
-        subgroups, extra = read_index(folder)
+        returns the index's ``extra``. The stored bytes come back as they were saved, and a
+        compensated master's low-precision partitions into the model's. The model's sub-groups
+        must match the saved ones (same model, sub_group_size and world size), and so must the
+        ``state_precision``; a checkpoint that does not fit changes nothing."""
+        subgroups, extra, precision = read_index(folder)
         if {name: saved.numel for name, saved in subgroups.items()} != self._numels:
             raise BufferMismatchError(
                 f"{folder}: the checkpoint's sub-groups differ from this model's (model, sub_group_size "
                 "and world size must match the run that saved it)"
+            )
+        if precision != self.precision:
+            raise BufferMismatchError(
+                f"{folder}: the optimizer state is stored in state_precision {precision.name!r}, this "
+                f"engine's in {self.precision.name!r}: load it with {SECTION}.state_precision "
+                f"{precision.name!r}"
             )
         for name, saved in subgroups.items():
             if len(saved.states) > MAX_STATE_TENSORS:
                 raise BufferMismatchError(
                     f"{folder}: sub-group {name} keeps {len(saved.states)} state tensors"
                 )
-        self.stager.drop_resident()
+            self._check_packable(saved.states, f"{folder}: sub-group {name}", BufferMismatchError)
         with checkpoint_store(folder) as checkpoint:
+            partitions = [
+                (self._partition_key(name), window)
+                for name in subgroups
+                for _, window in self._compensated_windows(name)
+            ]
+            for key, window in partitions:
+                _check_saved_partition(checkpoint, key, window, folder)
+            self.stager.drop_resident()
             checkpoint.copy_to(self.store, [self.stager.key(name) for name in subgroups])
+            for key, window in partitions:
+                checkpoint.get(key, out=window, cache=False).result()
         for name, saved in subgroups.items():
-            self.stager.restored(name, (1 + len(saved.states)) * saved.numel)
+            self.stager.restored(name, self._stored_numel(saved.numel, saved.states))
             self._set_state(name, saved.states, dict(saved.scalars))
         return extra
 
@@ -249,7 +326,9 @@ class TierStoreSwapper:
         """Take the sub-groups' state from a checkpoint of DeepSpeed's own NVMe offload: per
         sub-group (``parameters``, the live fp32 partitions), the master and optimizer state it kept
         in its ZeRO checkpoint (``masters``, ``saved``), and for what it had swapped (empty there)
-        its files, which the engine copied into ``swap_folder``."""
+        its files, which the engine copied into ``swap_folder``. A compressed ``state_precision``
+        packs it as it is written (and gives a compensated master's low-precision partition the
+        master rounded, which the compensation is what rounding left of)."""
         self.stager.drop_resident()
         for parameter, master, entry in zip(parameters, masters, saved, strict=True):
             name = self._name(parameter)
@@ -257,7 +336,12 @@ class TierStoreSwapper:
             states = tuple(key for key, value in entry.items() if torch.is_tensor(value) and value.dim() == 1)
             if len(states) > MAX_STATE_TENSORS:
                 raise BufferMismatchError(f"sub-group {name}: {len(states)} optimizer state tensors")
-            state = torch.empty((1 + len(states)) * numel, dtype=torch.float32)
+            self._check_packable(states, f"sub-group {name}", BufferMismatchError)
+            if self.precision.compressed:
+                state = self._unpacked_rows(numel)
+                state[numel:].zero_()  # the moments of a sub-group not yet updated
+            else:
+                state = torch.empty((1 + len(states)) * numel, dtype=torch.float32)
             sources = [
                 (f"{name}.tensor.swp", master),
                 *((f"{k}-{name}.tensor.swp", entry[k]) for k in states),
@@ -290,9 +374,112 @@ class TierStoreSwapper:
     def _restore(
         self, name: str, state: torch.Tensor, states: tuple[str, ...], scalars: dict[str, Any]
     ) -> None:
-        """Write a sub-group's ``[master | states...]`` to the store, and `_set_state`."""
-        self.stager.write(name, state.numel(), lambda buffer: buffer.copy_(state))
+        """Write a sub-group's ``[master | states...]`` to the store (packed in a compressed
+        ``state_precision``), and `_set_state`."""
+        if self.precision.compressed:
+            master = state[: self._numels[name]]
+            for _, window in self._compensated_windows(name):
+                window.copy_(master)  # rounded to nearest, as DeepSpeed copies its masters
+            self._write_packed(name, state)
+        else:
+            self.stager.write(name, state.numel(), lambda buffer: buffer.copy_(state))
         self._set_state(name, states, scalars)
+
+    # -- compressed state -----------------------------------------------------------------------
+    def _layout(self, numel: int) -> PackedLayout:
+        """A compressed sub-group of ``numel`` elements as stored."""
+        return PackedLayout(PACKED_ROWS, numel, self.precision)
+
+    def _stored_numel(self, numel: int, states: tuple[str, ...]) -> int:
+        """fp32 words of a sub-group's store object: ``[master | states...]`` in fp32, or all three
+        rows packed in a compressed ``state_precision``."""
+        if self.precision.compressed:
+            return self._layout(numel).words
+        return (1 + len(states)) * numel
+
+    def _check_packable(
+        self, states: tuple[str, ...], where: str, error: type[Exception] = ConfigError
+    ) -> None:
+        """Refuse (``error``) state tensors other than `ADAM_STATES` in a compressed precision."""
+        if self.precision.compressed and states not in ((), ADAM_STATES):
+            raise error(
+                f"{where}: {SECTION}.state_precision {self.precision.name!r} stores Adam's "
+                f"{' and '.join(ADAM_STATES)}, not the state tensors {list(states)}"
+            )
+
+    def _unpacked_rows(self, numel: int) -> torch.Tensor:
+        """`_rows` for a sub-group of ``numel`` elements, while no sub-group is swapped in."""
+        if self._swapped_in is not None:
+            raise CapacityError(
+                f"sub-group {self._swapped_in[0]} is swapped in: a compressed state_precision unpacks "
+                "one sub-group at a time"
+            )
+        return self._rows[: len(PACKED_ROWS) * numel]
+
+    def _unpacked(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        """The fp32 state of a sub-group just acquired: ``stored`` itself, or unpacked into `_rows`.
+
+        A compensated master is handed to DeepSpeed settled: moved one fp32 step towards the
+        partition where ``partition + compensation`` lies exactly half-way to the partition's
+        neighbour. DeepSpeed copies the fp32 partition into the low-precision one (rounding to
+        nearest) before every swap-out, whether its optimizer stepped the sub-group or not (its
+        checkpoint load swaps every sub-group in and out); from a settled master that copy gives
+        the partition its own value back, so the stored compensation stays the one of the
+        partition's rounding."""
+        if not self.precision.compressed:
+            return stored
+        rows = self._unpacked_rows(self._numels[name])
+        self._layout(self._numels[name]).decode(stored, rows, self._compensated_windows(name), settle=True)
+        self._swapped_in = (name, stored)
+        return rows
+
+    def _held_state(self, name: str, elements: int) -> torch.Tensor:
+        """The fp32 state of the sub-group swapped in, ``elements`` values of it: its staging
+        buffer grown or shrunk to them, or the unpacked rows (all three, whatever it holds)."""
+        if not self.precision.compressed:
+            return self.stager.resize(name, elements)
+        return self._rows[:elements]
+
+    def _pack(self, name: str) -> None:
+        """At a compressed sub-group's swap-out, after DeepSpeed has copied its fp32 master into
+        the low-precision partition (stage3's ``_reassign_or_swap_out_partitioned_parameters``
+        runs before ``_release_sub_group``): pack the rows into its object, the compensation being
+        what rounding to nearest, as that copy rounds, left of the master."""
+        if self._swapped_in is None or self._swapped_in[0] != name:
+            return
+        _, stored = self._swapped_in
+        self._swapped_in = None
+        rows = self._rows[: len(PACKED_ROWS) * self._numels[name]]
+        self._layout(self._numels[name]).encode(rows, stored, self._compensated_dtypes(name))
+
+    def _write_packed(self, name: str, rows: torch.Tensor) -> None:
+        """Write a sub-group's fp32 ``[master | exp_avg | exp_avg_sq]`` to the store, packed."""
+        layout = self._layout(self._numels[name])
+        self.stager.write(
+            name, layout.words, functools.partial(layout.encode, rows, dtypes=self._compensated_dtypes(name))
+        )
+
+    def _compensated_windows(self, name: str) -> list[tuple[int, torch.Tensor]]:
+        """For a ``bf16-compensated`` master, the sub-group's low-precision partition (at offset 0,
+        all of it), which the master is compensated against; none otherwise. An fp32 model's
+        partition is its own master: its compensation stays zero."""
+        if self.precision.master != "bf16-compensated":
+            return []
+        partition = self._low_precision(self._parameters[name])
+        if partition is None:
+            raise ConfigError(
+                f"{SECTION}.state_precision: a bf16-compensated master needs the model's partition of "
+                f"sub-group {name} in memory, which DeepSpeed keeps on NVMe (offload_param)"
+            )
+        return [(0, partition.view(-1))]
+
+    def _compensated_dtypes(self, name: str) -> list[tuple[int, int, torch.dtype]]:
+        """`_compensated_windows` as packing takes them: offset, length and dtype."""
+        return [(offset, window.numel(), window.dtype) for offset, window in self._compensated_windows(name)]
+
+    def _partition_key(self, name: str) -> str:
+        """The checkpoint store's key of a sub-group's low-precision partition."""
+        return self.stager.key(f"{name}.low-precision")
 
     def _set_state(self, name: str, states: tuple[str, ...], scalars: dict[str, Any]) -> None:
         """A sub-group's state tensor names and its scalars (Adam's step) into the optimizer's
@@ -314,6 +501,19 @@ class TierStoreSwapper:
 def _copy_flat(source: torch.Tensor, state: torch.Tensor) -> None:
     """Fill a sub-group's master weights from DeepSpeed's partition (any shape)."""
     state.copy_(source.reshape(-1))
+
+
+def _check_saved_partition(checkpoint: TierStore, key: str, window: torch.Tensor, folder: Path) -> None:
+    """A [`BufferMismatchError`][] unless ``checkpoint`` holds ``key`` shaped and typed as
+    ``window`` (the model's low-precision partition it is loaded into)."""
+    if not checkpoint.contains(key):
+        raise BufferMismatchError(f"{folder}: holds no {key!r}, the partition a compensated master needs")
+    info = checkpoint.info(key)
+    if (info.shape, info.dtype) != (tuple(window.shape), window.dtype):
+        raise BufferMismatchError(
+            f"{folder}: {key!r} is {info.dtype} {list(info.shape)}, the model's partition "
+            f"{window.dtype} {list(window.shape)}"
+        )
 
 
 def _close(store: TierStore, made: list[list[Path]]) -> None:

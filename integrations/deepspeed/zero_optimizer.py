@@ -17,6 +17,15 @@ listed in `RELIED_ON` (checked by `check_seams`):
   optimizer state goes into and comes back from the checkpoint through tierstore (`checkpoints`), or
   is imported from a checkpoint of DeepSpeed's own NVMe offload.
 
+With a compressed ``tierstore.state_precision`` the swapper stores each sub-group packed, unpacks
+it into fp32 for DeepSpeed's optimizer at swap-in and packs it at swap-out. A ``bf16-compensated``
+master is the model's low-precision partition (``fp16_partitioned_groups_flat[i]``, bf16 or fp16)
+plus a stored compensation, so it needs that partition in memory: refused with parameters
+offloaded to NVMe. Stock's step copies the new fp32 master into that partition
+(``_reassign_or_swap_out_partitioned_parameters``, ``copy_``: rounding to nearest) before it swaps
+the sub-group out (``_release_sub_group``), so the compensation is computed from the rounding the
+partition holds.
+
 Parameters without a gradient on a step (a module unused on that step), as stock DeepSpeed 0.19.8
 ZeRO-3 with its optimizer on NVMe does it (checked by running it; the integration's tests compare):
 
@@ -43,7 +52,9 @@ ZeRO-3 with its optimizer on NVMe does it (checked by running it; the integratio
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +118,15 @@ class TierStoreZeroOptimizer(StockZeroOptimizer):  # type: ignore[misc]
 
     # seam 2
     def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
+        precision = self.tierstore_section.state_precision
+        if precision.master == "bf16-compensated" and any(
+            partition is None for partition in self.fp16_partitioned_groups_flat
+        ):
+            raise ConfigError(
+                f"{SECTION}.state_precision: {precision.name!r} keeps the master weights as the model's "
+                "partitions plus a compensation, and zero_optimization.offload_param keeps partitions on "
+                "NVMe; use a precision with an fp32 master ('int8', 'bf16')"
+            )
         rank = dist.get_rank()
         nvme_path = Path(offload_optimizer_config.nvme_path)
         default_tier = self.tierstore_section.default_tier_path(nvme_path, rank)
@@ -119,6 +139,9 @@ class TierStoreZeroOptimizer(StockZeroOptimizer):  # type: ignore[misc]
             self.optimizer,
             largest_numel=max(self.fp16_partitioned_groups_flat_numel),
             namespace=f"rank{rank}",
+            low_precision=functools.partial(
+                _low_precision_partition, self.fp32_partitioned_groups_flat, self.fp16_partitioned_groups_flat
+            ),
             store_directories=made,
         )
 
@@ -274,3 +297,16 @@ class TierStoreZeroOptimizer(StockZeroOptimizer):  # type: ignore[misc]
     def destroy(self) -> None:
         super().destroy()
         self.optimizer_swapper.close()
+
+
+def _low_precision_partition(
+    fp32_partitions: Sequence[torch.Tensor],
+    partitions: Sequence[torch.Tensor | None],
+    parameter: torch.Tensor,
+) -> torch.Tensor | None:
+    """The model's low-precision partition (``fp16_partitioned_groups_flat[i]``; None on NVMe) of the
+    sub-group whose fp32 partition (``fp32_partitioned_groups_flat[i]``) is ``parameter``."""
+    for fp32, partition in zip(fp32_partitions, partitions, strict=False):  # fp32's list grows at init
+        if fp32 is parameter:
+            return partition
+    raise KeyError(f"sub-group {getattr(parameter, 'ds_id', '?')} is not one of this optimizer's")
