@@ -215,7 +215,7 @@ def _native() -> ctypes.CDLL | None:
 def _native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The CPU kernels where every one of ``tensors`` is a contiguous CPU tensor, else None (torch
     operations: the device path, where each already streams at the device's memory bandwidth)."""
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if all(t.is_cpu and t.is_contiguous() for t in tensors):
         return _native()
     return None
 
@@ -235,9 +235,12 @@ def _threads() -> ThreadPoolExecutor:
 def _in_parallel(count: int, run: Callable[[int, int], object]) -> None:
     """``run(start, stop)`` over ``[0, count)``, cut at multiples of [`BLOCK`][] into a part per
     intra-op thread (at most one per [`PARALLEL_MIN_NUMEL`][] elements); the caller runs the first."""
-    parts = max(1, min(torch.get_num_threads(), count // PARALLEL_MIN_NUMEL))
+    parts = min(torch.get_num_threads(), count // PARALLEL_MIN_NUMEL)
+    if parts <= 1:
+        run(0, count)
+        return
     length = -(-count // parts // BLOCK) * BLOCK
-    bounds = [(start, min(start + length, count)) for start in range(0, count, length)] or [(0, 0)]
+    bounds = [(start, min(start + length, count)) for start in range(0, count, length)]
     others = [_threads().submit(run, start, stop) for start, stop in bounds[1:]]
     try:
         run(*bounds[0])

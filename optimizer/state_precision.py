@@ -279,9 +279,10 @@ class PackedLayout:
                 [`BLOCK`][], ``stop`` too or the row's end); all of them if None.
         """
         start, stop = (0, self.numel) if span is None else span
-        raw = packed.view(torch.uint8)
-        for first, end in self._padding:
-            raw[first:end].zero_()
+        if stop == self.numel:  # the padding, once per object: with its rows' last span
+            raw = packed.view(torch.uint8)
+            for first, end in self._padding:
+                raw[first:end].zero_()
         for segment, row in zip(self.segments, rows.view(len(self.kinds), stop - start), strict=True):
             if segment.format == "fp32":
                 self._view(packed, segment.offset, self.numel, torch.float32)[start:stop].copy_(row)
