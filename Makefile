@@ -74,6 +74,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m benchmarks.bench_apollo --output benchmarks/results/apollo.json
 	$(BIN)/python -m benchmarks.quality_apollo --output benchmarks/results/apollo_quality.json \
 		--plot benchmarks/results/apollo_quality.png
+	$(BIN)/python -m benchmarks.bench_state_precision --output benchmarks/results/state_precision.json
 	$(BIN)/python -m benchmarks.quality_state_precision --output benchmarks/results/state_precision_quality.json \
 		--plot benchmarks/results/state_precision_quality.png
 	$(BIN)/python -m benchmarks.bench_deepspeed --steps 5 --repeats 3 --output benchmarks/results/deepspeed.json

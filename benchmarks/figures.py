@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "apollo": "-m benchmarks.bench_apollo --output benchmarks/results/apollo.json",
     "apollo_quality": "-m benchmarks.quality_apollo --output benchmarks/results/apollo_quality.json "
     "--plot benchmarks/results/apollo_quality.png",
+    "state_precision": "-m benchmarks.bench_state_precision --output benchmarks/results/state_precision.json",
     "state_precision_quality": "-m benchmarks.quality_state_precision "
     "--output benchmarks/results/state_precision_quality.json "
     "--plot benchmarks/results/state_precision_quality.png",
@@ -251,6 +252,35 @@ def apollo_quality(data: dict[str, Any]) -> str:
         ["fp32 state, relative to AdamW's", _x(summary["state_bytes_vs_adamw"], 3), ""],
     ]
     return _table(["", "APOLLO-Mini", "AdamW"], rows)
+
+
+def state_precision(data: dict[str, Any]) -> str:
+    summary, precision = data["summary"], data["metadata"]["state_precision"]
+    sides = {
+        "deepspeed": "DeepSpeed ZeRO-Infinity",
+        "fp32": "tierstore `fp32`",
+        "compressed": f"tierstore `{precision}`",
+    }
+    rows = [
+        [label, _range(summary["update_s"][side]), _gb(summary["bytes_moved_per_step"][side])]
+        for side, label in sides.items()
+    ]
+    table = _table(["update step", "s per step", "bytes moved per step"], rows)
+    ratios = [
+        [
+            f"`{precision}` against DeepSpeed",
+            _x(summary["speedup_vs_deepspeed"]),
+            summary["targets"]["speedup_vs_deepspeed"],
+        ],
+        ["`fp32` against DeepSpeed", _x(summary["fp32_speedup_vs_deepspeed"]), ""],
+        [f"`{precision}` against `fp32`", _x(summary["speedup_vs_fp32"]), ""],
+        [
+            f"`{precision}` bytes over `fp32`'s",
+            _x(summary["bytes_vs_fp32"], 3),
+            summary["targets"]["bytes_vs_fp32"],
+        ],
+    ]
+    return table + "\n" + _table(["ratio", "measured", "target"], ratios)
 
 
 def state_precision_quality(data: dict[str, Any]) -> str:
@@ -523,6 +553,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "mlp_offload_prediction": mlp_offload_prediction,
     "apollo": apollo,
     "apollo_quality": apollo_quality,
+    "state_precision": state_precision,
     "state_precision_quality": state_precision_quality,
     "deepspeed": deepspeed,
     "activations": activations,
