@@ -20,12 +20,19 @@ pytest.importorskip("deepspeed")
 
 import torch
 from tierstore.integrations.deepspeed import check_deepspeed_version, validate_config
-from tierstore.integrations.deepspeed.checkpoints import CHECKPOINT_INDEX, checkpoint_store, read_index
+from tierstore.integrations.deepspeed.checkpoints import (
+    ADAM_STATES,
+    CHECKPOINT_INDEX,
+    PACKED_ROWS,
+    checkpoint_store,
+    convert_checkpoint,
+    read_index,
+)
 from tierstore.integrations.deepspeed.config import TierstoreSection, parse_section
-from tierstore.integrations.deepspeed.swapper import PACKED_ROWS, TierStoreSwapper
+from tierstore.integrations.deepspeed.swapper import TierStoreSwapper
 from tierstore.optimizer.state_precision import PRESETS, PackedLayout
 
-from tierstore import BufferMismatchError, ConfigError, UnsupportedVersionError
+from tierstore import BufferMismatchError, ConfigError, TierStore, UnsupportedVersionError
 from tierstore.app.demo import GPT, Linear
 
 from .helpers import make_store, run_ranks
@@ -224,7 +231,8 @@ def test_compressed_state_is_stored_packed_and_resumes_exactly(scratch: Path) ->
     its packed layout (8-bit moments, the master as the bf16 partition plus a bf16 compensation),
     which a checkpoint carries beside the partitions. A fresh engine loading it holds the same bytes
     (saved again at once) and trains on to the losses and weights of the uninterrupted run, bit for
-    bit; an engine storing fp32 state refuses the checkpoint."""
+    bit; an engine storing fp32 state refuses the checkpoint, and loads it converted to fp32
+    (`convert_checkpoint`), training on to losses close to the compressed run's."""
     precision = PRESETS["int8-compensated"]
     common = ["--offload", "tierstore", "--steps", "6", *SMALL, "--state-precision", "int8-compensated"]
     straight = train(
@@ -285,6 +293,12 @@ def test_compressed_state_is_stored_packed_and_resumes_exactly(scratch: Path) ->
             str(scratch / "saved"),
             output=scratch / "c.json",
         )
+    convert_checkpoint(scratch / "saved" / "checkpoint", scratch / "fp32" / "checkpoint", "fp32")
+    converted = train(
+        *common[:-2], "--nvme", str(scratch / "d"), "--load", str(scratch / "fp32"), output=scratch / "d.json"
+    )
+    assert [row["step"] for row in converted] == [3, 4, 5]
+    assert losses(converted) == pytest.approx(losses(straight)[3:], rel=1e-2)
 
 
 SUBGROUPS = {"0_3": 700, "4_9": 300}
@@ -358,6 +372,124 @@ def test_a_checkpoint_of_another_state_precision_is_refused_before_anything_chan
     after = stored_bytes(loader)
     assert all(torch.equal(after[name], stored) for name, stored in before[0].items())
     assert all(torch.equal(partitions[name], partition) for name, partition in before[1].items())
+    loader.close()
+
+
+def saved_checkpoint(directory: Path, precision: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint tag folder as an engine saves it, from a swapper built directly and stepped
+    once in ``precision`` (an engine file of its own beside the optimizer state); its sub-groups'
+    low-precision partitions by name."""
+    swapper, partitions, parameters = direct_swapper(directory / "saver", precision, seed=0)
+    step_directly(swapper, partitions, parameters)
+    tag = directory / "checkpoints" / "step-1"
+    swapper.export_checkpoint(tag / "tierstore" / "rank00", {"passes": 1})
+    swapper.close()
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"the engine's own file")
+    return tag, partitions
+
+
+def saved_state(tag: Path) -> dict[str, bytes]:
+    """Every file's bytes under a checkpoint tag folder, by path."""
+    return {str(file.relative_to(tag)): file.read_bytes() for file in tag.rglob("*") if file.is_file()}
+
+
+def test_a_compressed_checkpoint_converts_to_the_fp32_state_it_holds(tmp_path: Path) -> None:
+    """An ``int8-compensated`` checkpoint converted to fp32 loads into an fp32 engine as exactly
+    the state the compressed engine hands DeepSpeed: the moments dequantised and the master settled
+    (the partition plus its compensation, rounding to the partition); it trains on from there."""
+    tag, partitions = saved_checkpoint(tmp_path, "int8-compensated")
+    before = saved_state(tag)
+    convert_checkpoint(tag, tag.with_name("fp32"), "fp32")
+    assert saved_state(tag) == before  # only read
+    assert (tag.parent / "fp32" / "mp_rank_00_model_states.pt").read_bytes() == b"the engine's own file"
+    subgroups, extra, precision = read_index(tag.parent / "fp32" / "tierstore" / "rank00")
+    assert (subgroups, extra, precision) == (*read_index(tag / "tierstore" / "rank00")[:2], PRESETS["fp32"])
+
+    loader, _, parameters = direct_swapper(tmp_path / "loader", "fp32", seed=1)
+    loader.restore_checkpoint(tag.parent / "fp32" / "tierstore" / "rank00")
+    with checkpoint_store(tag / "tierstore" / "rank00") as saved:
+        for name, numel in SUBGROUPS.items():
+            expected = torch.empty(3 * numel)
+            PackedLayout(PACKED_ROWS, numel, PRESETS["int8-compensated"]).decode(
+                saved.get(f"rank0/{name}").result(), expected, [(0, partitions[name])], settle=True
+            )
+            assert torch.equal(loader.stager.read(name), expected), name
+            assert torch.equal(expected[:numel].bfloat16(), partitions[name]), name
+    assert all(set(ADAM_STATES) <= set(loader.optimizer.state[parameter]) for parameter in parameters)
+    step_directly(loader, {name: partition.clone() for name, partition in partitions.items()}, parameters)
+    assert all(loader.stager.read(name).isfinite().all() for name in SUBGROUPS)
+    loader.close()
+
+
+@pytest.mark.parametrize("saved", ["fp32", "int8-compensated"])
+def test_a_checkpoint_converts_to_int8_compensated_state(tmp_path: Path, saved: str) -> None:
+    """An fp32 checkpoint converted to ``int8-compensated`` is stored as the compressed engine
+    packs the fp32 state, its partitions the masters rounded; a compressed engine loads it (into
+    its partitions too) and trains on. Converted into its own precision, a checkpoint keeps its
+    bytes."""
+    tag, _ = saved_checkpoint(tmp_path, saved)
+    converted = tag.with_name("int8-compensated")
+    convert_checkpoint(tag, converted, "int8-compensated")
+    loader, partitions, parameters = direct_swapper(tmp_path / "loader", "int8-compensated", seed=1)
+    loader.restore_checkpoint(converted / "tierstore" / "rank00")
+    with checkpoint_store(tag / "tierstore" / "rank00") as checkpoint:
+        for name, numel in SUBGROUPS.items():
+            stored = checkpoint.get(f"rank0/{name}").result()
+            expected = stored
+            if saved == "fp32":
+                master = stored[:numel]
+                assert torch.equal(partitions[name], master.bfloat16()), name
+                layout = PackedLayout(PACKED_ROWS, numel, PRESETS["int8-compensated"])
+                expected = torch.empty(layout.words)
+                layout.encode(stored, expected, [(0, numel, torch.bfloat16)])
+            else:
+                assert torch.equal(partitions[name], checkpoint.get(f"rank0/{name}.low-precision").result())
+            assert torch.equal(loader.stager.read(name).view(torch.uint8), expected.view(torch.uint8)), name
+    step_directly(loader, partitions, parameters)
+    loader.close()
+
+
+def test_a_bad_conversion_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    tag, _ = saved_checkpoint(tmp_path, "fp32")
+    with pytest.raises(ConfigError, match=r"state_precision: must be one of 'fp32'.*not 'int4'"):
+        convert_checkpoint(tag, tag.with_name("converted"), "int4")
+    with pytest.raises(ConfigError, match="partition_dtype must be one of"):
+        convert_checkpoint(tag, tag.with_name("converted"), "int8-compensated", partition_dtype=torch.int8)
+    with pytest.raises(ConfigError, match=r"destination .* exists"):
+        convert_checkpoint(tag, tag, "int8")
+    with pytest.raises(BufferMismatchError, match="holds no tierstore optimizer state"):
+        convert_checkpoint(tmp_path, tag.with_name("converted"), "fp32")
+    assert [entry.name for entry in tag.parent.iterdir()] == [tag.name]
+
+
+def test_a_conversion_that_fails_midway_leaves_the_checkpoint_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write failing at the second object, converting into a new tag beside the checkpoint or
+    into a save_dir of its own: no converted checkpoint (nor a part of one, nor the save_dir), and
+    the original's files are unchanged and load."""
+    tag, _ = saved_checkpoint(tmp_path, "int8-compensated")
+    before = saved_state(tag)
+    put = TierStore.put
+    calls = itertools.count()
+
+    def failing_put(store: TierStore, key: str, tensor: torch.Tensor, **options: Any) -> Any:
+        if next(calls) % 2:
+            raise OSError(28, "No space left on device")
+        return put(store, key, tensor, **options)
+
+    monkeypatch.setattr(TierStore, "put", failing_put)
+    with pytest.raises(OSError, match="No space left"):
+        convert_checkpoint(tag, tag.with_name("fp32"), "fp32")
+    with pytest.raises(OSError, match="No space left"):
+        convert_checkpoint(tag, tmp_path / "elsewhere" / "fp32", "fp32")  # a save_dir of its own
+    monkeypatch.undo()
+    assert next(calls) == 4  # each time, the first object was written
+    assert [entry.name for entry in tag.parent.iterdir()] == [tag.name]
+    assert not (tmp_path / "elsewhere").exists()
+    assert saved_state(tag) == before
+    loader, _, _ = direct_swapper(tmp_path / "loader", "int8-compensated", seed=1)
+    loader.restore_checkpoint(tag / "tierstore" / "rank00")
     loader.close()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tierstore.optimizer.state_precision import PackedLayout, RowKind
+from tierstore.optimizer.state_precision import PackedLayout
 from tierstore.optimizer.subgroup_stager import FP32, SubGroupStager
 
 from tierstore._directories import missing_directories, remove_empty
@@ -29,15 +29,19 @@ from tierstore.buffers import aligned_tensor
 from tierstore.errors import BufferMismatchError, CapacityError, ConfigError
 from tierstore.store import TierStore
 
-from .checkpoints import SavedSubGroup, checkpoint_store, read_index, read_swap_file, write_index
+from .checkpoints import (
+    ADAM_STATES,
+    PACKED_ROWS,
+    PARTITION_SUFFIX,
+    SavedSubGroup,
+    checkpoint_store,
+    read_index,
+    read_swap_file,
+    write_index,
+)
 from .config import SECTION, TierstoreSection
 
 MAX_STATE_TENSORS = 2  # Adam/AdamW: exp_avg, exp_avg_sq
-ADAM_STATES = ("exp_avg", "exp_avg_sq")
-"""The state tensors a compressed sub-group holds, in order (a sub-group not yet updated holds
-none: its moments are zeros)."""
-PACKED_ROWS: tuple[RowKind, ...] = ("master", "signed", "nonnegative")
-"""What each row of a compressed sub-group holds: the master weights, then `ADAM_STATES`."""
 
 
 class TierStoreSwapper:
@@ -479,7 +483,7 @@ class TierStoreSwapper:
 
     def _partition_key(self, name: str) -> str:
         """The checkpoint store's key of a sub-group's low-precision partition."""
-        return self.stager.key(f"{name}.low-precision")
+        return self.stager.key(name) + PARTITION_SUFFIX
 
     def _set_state(self, name: str, states: tuple[str, ...], scalars: dict[str, Any]) -> None:
         """A sub-group's state tensor names and its scalars (Adam's step) into the optimizer's
