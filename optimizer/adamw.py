@@ -24,7 +24,8 @@ from ..store import TierStore
 from .engine import StagedOptimizer, is_real
 from .options import StagingKeywords
 from .partition import Piece, SubGroup
-from .state_precision import COMPENSATION_ENTRY, RowKind
+from .state_kernels import adamw_int8_compensated
+from .state_precision import COMPENSATION_ENTRY, PRESETS, RowKind
 
 STATE_PARTS = ("master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 """A sub-group's state, in object order (as named in a state dict); the first for groups with
@@ -219,6 +220,49 @@ class OffloadedAdamW(StagedOptimizer):
         """One fused AdamW call per cache-sized chunk of the sub-group's pieces that have gradients."""
         for grads in self._gradient_chunks(sg, coefficient):
             self._adamw(sg, state, grads)
+
+    def _host_update(self, sg: SubGroup, stored: torch.Tensor, coefficient: float) -> None:
+        """An ``"int8-compensated"`` sub-group of bf16 parameters in one pass over its packed state
+        where the CPU runs it (`adamw_int8_compensated`: the same bits), else unpacked, updated and
+        packed a span at a time."""
+        if not self._packed_update(sg, stored, coefficient):
+            super()._host_update(sg, stored, coefficient)
+
+    def _packed_update(self, sg: SubGroup, stored: torch.Tensor, coefficient: float) -> bool:
+        """`adamw_int8_compensated` on the stored object, where its conditions hold: whether it
+        ran."""
+        group = self.param_groups[sg.group]
+        if (
+            self.precision != PRESETS["int8-compensated"]
+            or self.device is not None
+            or group["amsgrad"]
+            or not group["decoupled_weight_decay"]
+            or tuple(kind for _, kind in self._row_parts(sg)) != ("master", "signed", "nonnegative")
+            or any(
+                self._own_masters[piece.param] or self.params[piece.param].dtype != torch.bfloat16
+                for piece in sg.pieces
+            )
+        ):
+            return False
+        grads = {piece.offset: flat for piece, flat in self._pieces_with_gradients(sg)}
+        if any(grad.dtype != torch.bfloat16 for grad in grads.values()):
+            return False
+        pieces = [
+            (
+                piece.offset,
+                self._window(piece),
+                None
+                if piece.offset not in grads
+                else grads[piece.offset][piece.param_offset : piece.param_offset + piece.length],
+                self.param_steps[piece.param],
+            )
+            for piece in sg.pieces
+        ]
+        layout = self._packed_layout(sg)
+        compensation = layout.compensation(stored)
+        assert compensation is not None
+        moments = (layout.quantised(stored, 1), layout.quantised(stored, 2))
+        return adamw_int8_compensated(moments, compensation, pieces, group, coefficient)
 
     def _adamw(self, sg: SubGroup, state: torch.Tensor, grads: list[tuple[Piece, torch.Tensor]]) -> None:
         group = self.param_groups[sg.group]

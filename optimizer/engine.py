@@ -356,13 +356,17 @@ class StagedOptimizer(SavedState):
                 for index in order:
                     state = self.stager.acquire(index)
                     started = time.perf_counter()
-                    self._in_precision(self.subgroups[index], state, self._update, coefficient)
+                    self._host_update(self.subgroups[index], state, coefficient)
                     compute += time.perf_counter() - started
                     self.stager.release(index)
                 self.compute_seconds = compute
         finally:
             self.stager.end_pass()
         return loss
+
+    def _host_update(self, sg: SubGroup, stored: torch.Tensor, coefficient: float) -> None:
+        """One sub-group's update on the host: `_update` on its fp32 state (`_in_precision`)."""
+        self._in_precision(sg, stored, self._update, coefficient)
 
     def _count_step(self) -> None:
         """A step is taken: counted, and for each parameter with a gradient (its bias correction)."""

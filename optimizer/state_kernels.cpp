@@ -8,6 +8,7 @@
 // chosen at run time where the CPU has it: the table lookups as AVX2 gathers, the rest by the
 // compiler's vectoriser (target_clones).
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -135,6 +136,95 @@ __attribute__((target("avx2"))) void dequantise_block_avx2(const uint8_t* codes,
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+
+// torch's fused AdamW (torch.optim.AdamW(fused=True), aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
+// its AVX2 build) element by element: its vector body, 8 elements at a time from the tensor's
+// start, and its scalar tail, the tensor's last (length mod 8) elements, round differently; both
+// are written with their operations explicit, torch's multiply-adds as fmaf.
+struct AdamW {
+    float decay;             // 1 - lr * weight_decay
+    float lerp_weight;       // 1 - beta1
+    float beta2;
+    float square_weight;     // 1 - beta2
+    float eps;
+    float coefficient;       // the step's unscaling and clipping factor
+    int32_t scale;           // whether to multiply the gradients by it (it is not 1)
+    int32_t maximize;
+};
+
+struct PieceStep {
+    int64_t offset;          // in the sub-group
+    int64_t length;
+    int64_t body;            // elements of torch's vector body: length - length % 8
+    uint16_t* param;         // bf16, the piece's elements of its parameter
+    const uint16_t* grad;    // bf16, or null: no gradient, no update
+    float step_size;         // lr / bias_correction1
+    float correction2_sqrt;  // sqrt(bias_correction2)
+};
+
+// torch's scalar tail, with the multiply-adds its build contracts it into (checked against
+// torch._fused_adamw_): exp_avg_sq's product with beta2 is fused, the parameter's decay is not.
+__attribute__((target("avx2,fma"))) float adamw_tail(float master, float& m, float& v, float g,
+                                                     const AdamW& h, const PieceStep& piece) {
+    master = master * h.decay;
+    if (h.lerp_weight < 0.5f) {
+        m = fmaf(h.lerp_weight, g - m, m);
+    } else {
+        m = fmaf(-(g - m), 1.0f - h.lerp_weight, g);
+    }
+    v = fmaf(v, h.beta2, h.square_weight * g * g);
+    float denom = std::sqrt(v) / piece.correction2_sqrt + h.eps;
+    return master - piece.step_size * m / denom;
+}
+
+// A block's elements [first, end) of the sub-group, all of one piece: master = param +
+// compensation, updated where the piece has a gradient (its parameter then takes the master
+// rounded), the compensation what the rounding left; m and v are the block's moments.
+__attribute__((target("avx2,fma"))) void step_piece(const PieceStep& piece, int64_t first, int64_t end,
+                                                    float* m, float* v, uint16_t* compensation,
+                                                    const AdamW& h) {
+    uint16_t* param = piece.param - piece.offset;  // both indexed by the element in the sub-group
+    const uint16_t* grad = piece.grad == nullptr ? nullptr : piece.grad - piece.offset;
+    if (grad == nullptr) {
+        for (int64_t e = first; e < end; ++e) {
+            float master = from_bf16(param[e]) + from_bf16(compensation[e]);
+            compensation[e] = to_bf16(master - from_bf16(to_bf16(master)));
+        }
+        return;
+    }
+    int64_t body_end = piece.offset + piece.body;
+    int64_t split = body_end < first ? first : (body_end > end ? end : body_end);
+    // torch's vector body: an unscaled gradient is multiplied by 1 and a maximised one by -1, both
+    // exact; the exponential average's two forms (torch's lerp) chosen by its weight, as torch does
+    const float scale = h.scale ? h.coefficient : 1.0f, sign = h.maximize ? -1.0f : 1.0f;
+    const bool small = h.lerp_weight < 0.5f;
+    const float weight = small ? h.lerp_weight : h.lerp_weight - 1.0f;
+    const float negative_step = -piece.step_size, correction = piece.correction2_sqrt;
+    const float decay = h.decay, beta2 = h.beta2, square_weight = h.square_weight, eps = h.eps;
+    for (int64_t e = first; e < split; ++e) {
+        float g = from_bf16(grad[e]) * scale * sign;
+        float master = (from_bf16(param[e]) + from_bf16(compensation[e])) * decay;
+        float mi = m[e], vi = v[e];
+        mi = fmaf(weight, g - mi, small ? mi : g);
+        vi = fmaf(square_weight * g, g, vi * beta2);
+        float denom = std::sqrt(vi) / correction + eps;
+        master = master + (negative_step * mi) / denom;
+        m[e] = mi;
+        v[e] = vi;
+        uint16_t rounded = to_bf16(master);
+        param[e] = rounded;
+        compensation[e] = to_bf16(master - from_bf16(rounded));
+    }
+    for (int64_t e = split; e < end; ++e) {  // torch's scalar tail
+        float g = from_bf16(grad[e]);
+        if (h.scale) g = g * h.coefficient;
+        if (h.maximize) g = -g;
+        float master = adamw_tail(from_bf16(param[e]) + from_bf16(compensation[e]), m[e], v[e], g, h, piece);
+        uint16_t rounded = to_bf16(master);
+        param[e] = rounded;
+        compensation[e] = to_bf16(master - from_bf16(rounded));
+    }
+}
 #endif
 
 }  // namespace
@@ -171,6 +261,46 @@ void tierstore_dequantise(const uint8_t* codes, const float* absmax, int64_t cou
 #endif
         dequantise_block(codes + start, length, absmax[start / kBlock], table, out + start);
     }
+}
+
+// One AdamW step of a sub-group stored with int8 moments and a compensated bf16 master, block by
+// block in the CPU's cache: the moments unpacked, the master the parameter plus its compensation,
+// torch's fused AdamW (AdamW above), the parameter the master rounded, the compensation what it
+// lost, the moments packed again. Each piece is a parameter's elements in the sub-group; elements of
+// no piece keep their moments, with a compensation of zero. Returns 0 where the CPU has no AVX2 and
+// FMA (nothing is done: the caller runs the kernels one by one).
+int tierstore_adamw_int8_compensated(uint8_t* codes_m, float* absmax_m, uint8_t* codes_v, float* absmax_v,
+                                     uint16_t* compensation, int64_t numel, const PieceStep* pieces,
+                                     int64_t count, const AdamW* hyper, const float* signed_table,
+                                     const float* unsigned_table, const int32_t* signed_buckets,
+                                     const int32_t* unsigned_buckets) {
+#if TIERSTORE_AVX2
+    if (!kHasAvx2 || !__builtin_cpu_supports("fma")) return 0;
+    alignas(32) float m[kBlock], v[kBlock];
+    int64_t next = 0;  // the first piece that may reach the block
+    for (int64_t start = 0; start < numel; start += kBlock) {
+        int64_t length = numel - start < kBlock ? numel - start : kBlock;
+        dequantise_block_avx2(codes_m + start, length, absmax_m[start / kBlock], signed_table, m);
+        dequantise_block_avx2(codes_v + start, length, absmax_v[start / kBlock], unsigned_table, v);
+        int64_t covered = start;
+        for (int64_t p = next; p < count && pieces[p].offset < start + length; ++p) {
+            const PieceStep& piece = pieces[p];
+            int64_t first = piece.offset > start ? piece.offset : start;
+            int64_t end = piece.offset + piece.length < start + length ? piece.offset + piece.length : start + length;
+            if (first >= end) continue;
+            for (int64_t e = covered; e < first; ++e) compensation[e] = 0;
+            step_piece(piece, first, end, m - start, v - start, compensation, *hyper);
+            covered = end;
+            if (piece.offset + piece.length <= start + length) next = p + 1;
+        }
+        for (int64_t e = covered; e < start + length; ++e) compensation[e] = 0;
+        quantise_block_avx2(m, length, codes_m + start, absmax_m + start / kBlock, signed_buckets, -1);
+        quantise_block_avx2(v, length, codes_v + start, absmax_v + start / kBlock, unsigned_buckets, 0);
+    }
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 // The compensation term of fp32 master weights whose parameter is bf16: the master less its bf16

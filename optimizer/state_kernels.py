@@ -18,9 +18,10 @@ import platform
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -152,7 +153,7 @@ NATIVE_SOURCE = Path(__file__).with_name("state_kernels.cpp")
 """The CPU kernels' C++ source: each kernel one loop over a row, with the bits of the torch
 operations here (the same IEEE fp32 operations in the same order, no fused multiply-adds)."""
 
-_NATIVE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
+_NATIVE_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 
 
 def _kernel_cache() -> Path:
@@ -205,10 +206,12 @@ def _native() -> ctypes.CDLL | None:
         "tierstore_dequantise": [pointer, pointer, count, pointer, pointer],
         "tierstore_compensate_bf16": [pointer, count, pointer],
         "tierstore_compensated_master_bf16": [pointer, pointer, count, pointer],
+        "tierstore_adamw_int8_compensated": [*[pointer] * 5, count, pointer, count, *[pointer] * 5],
     }
     for name, arguments in signatures.items():
         function = getattr(native, name)
         function.argtypes, function.restype = arguments, None
+    native.tierstore_adamw_int8_compensated.restype = ctypes.c_int
     return native
 
 
@@ -363,3 +366,108 @@ def settled_master(master: torch.Tensor, param: torch.Tensor) -> None:
     weights handed out (state dicts, `master_params`) are ones their parameter rounds from."""
     ties = master.to(param.dtype) != param
     master.copy_(torch.where(ties, torch.nextafter(master, param.float()), master))
+
+
+class _AdamW(ctypes.Structure):
+    """The kernel's hyper-parameters (``AdamW`` in [`NATIVE_SOURCE`][]), as torch's kernel rounds
+    them to fp32."""
+
+    _fields_ = [
+        ("decay", ctypes.c_float),
+        ("lerp_weight", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("square_weight", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("coefficient", ctypes.c_float),
+        ("scale", ctypes.c_int32),
+        ("maximize", ctypes.c_int32),
+    ]
+
+
+class _PieceStep(ctypes.Structure):
+    """A parameter's elements in the sub-group (``PieceStep`` in [`NATIVE_SOURCE`][])."""
+
+    _fields_ = [
+        ("offset", ctypes.c_int64),
+        ("length", ctypes.c_int64),
+        ("body", ctypes.c_int64),
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("step_size", ctypes.c_float),
+        ("correction2_sqrt", ctypes.c_float),
+    ]
+
+
+TORCH_VECTOR = {"AVX2": 8}
+"""fp32 elements per vector of torch's fused AdamW, by torch's CPU kernel build
+(``torch.backends.cpu.get_cpu_capability()``): where [`adamw_int8_compensated`][] gives its bits."""
+
+
+def adamw_int8_compensated(
+    moments: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    compensation: torch.Tensor,
+    pieces: Sequence[tuple[int, torch.Tensor, torch.Tensor | None, int]],
+    group: dict[str, Any],
+    coefficient: float,
+) -> bool:
+    """One AdamW step of a sub-group stored in 8-bit moments and a compensated bf16 master, in one
+    pass over it (C++, a block at a time in the CPU's cache), with the bits of the kernels run one
+    by one: unpacking, ``torch._fused_adamw_`` (torch's own CPU kernel, its vector body and its
+    scalar tail each reproduced), the parameter's rounding, the compensation and packing.
+
+    Args:
+        moments: the codes and block maxima of ``exp_avg`` and of ``exp_avg_sq``, written.
+        compensation: the master's compensation terms (bf16, one per element), written.
+        pieces: each parameter's elements in the sub-group, in order: their offset, the
+            parameter's elements (bf16, contiguous; updated), its gradient's (bf16, contiguous;
+            None: no update) and its step count.
+        group: the parameter group (``lr``, ``betas``, ``eps``, ``weight_decay``, ``maximize``);
+            AdamW's decoupled weight decay, no ``amsgrad``.
+        coefficient: the step's unscaling and clipping factor, applied to the gradients.
+
+    Returns:
+        Whether it ran: not where the C++ kernels are not built, torch's AdamW kernel is not one
+        whose bits it reproduces ([`TORCH_VECTOR`][]) or the CPU lacks AVX2 and FMA; then nothing is
+        written.
+    """
+    native = _native_for(compensation, *(t for pair in moments for t in pair))
+    vector = TORCH_VECTOR.get(torch.backends.cpu.get_cpu_capability())
+    if native is None or vector is None:
+        return False
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    steps = (_PieceStep * len(pieces))()
+    for entry, (offset, param, grad, count) in zip(steps, pieces, strict=True):
+        entry.offset, entry.length = offset, param.numel()
+        entry.body = param.numel() - param.numel() % vector
+        entry.param, entry.grad = param.data_ptr(), None if grad is None else grad.data_ptr()
+        if grad is not None:  # torch's bias corrections, in double
+            entry.step_size = lr / (1 - beta1 ** float(count))
+            entry.correction2_sqrt = math.sqrt(1 - beta2 ** float(count))
+    hyper = _AdamW(
+        1 - lr * group["weight_decay"],
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        eps,
+        coefficient,
+        coefficient != 1.0,
+        bool(group["maximize"]),
+    )
+    tables = [_dequantisation_table(True), _dequantisation_table(False)]
+    buckets = [_bucket_table(True, compensation.device), _bucket_table(False, compensation.device)]
+    (codes_m, absmax_m), (codes_v, absmax_v) = moments
+    return bool(
+        native.tierstore_adamw_int8_compensated(
+            codes_m.data_ptr(),
+            absmax_m.data_ptr(),
+            codes_v.data_ptr(),
+            absmax_v.data_ptr(),
+            compensation.data_ptr(),
+            compensation.numel(),
+            ctypes.cast(steps, ctypes.c_void_p),
+            len(pieces),
+            ctypes.addressof(hyper),
+            *(t.data_ptr() for t in tables),
+            *(t.data_ptr() for t in buckets),
+        )
+    )

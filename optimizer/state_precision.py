@@ -252,6 +252,10 @@ class PackedLayout:
                 return self._view(packed, segment.offset, self.numel, torch.bfloat16)
         return None
 
+    def quantised(self, packed: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An ``int8`` row's codes and block maxima in ``packed`` (views)."""
+        return self._quantised(packed, self.segments[row], 0, self.numel)
+
     def _quantised(
         self, packed: torch.Tensor, segment: Segment, start: int, stop: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

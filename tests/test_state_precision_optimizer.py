@@ -3,6 +3,7 @@ exactly, resume bit for bit, conversion to torch's fp32 state, and the refusals.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,10 @@ import pytest
 import torch
 from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter
 from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO
+from tierstore.optimizer import adamw as adamw_module
 from tierstore.optimizer.device import DeviceStager
 from tierstore.optimizer.gradients import GRADIENT_CHUNK
+from tierstore.optimizer.state_kernels import TORCH_VECTOR, adamw_int8_compensated
 from tierstore.optimizer.state_precision import PRESETS, fp32_state_dict, spans
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
@@ -345,3 +348,54 @@ def test_the_cpu_paths_spans_give_the_whole_sub_groups_bits(tmp_path: Path) -> N
             assert torch.equal(mine.detach(), reference.detach().as_subclass(torch.Tensor))
         saved, expected = ours.state_dict()["packed_state"], theirs.state_dict()["packed_state"]
         assert torch.equal(saved["subgroups"][0]["data"], expected["subgroups"][0]["data"])
+
+
+@pytest.mark.parametrize(
+    "hyperparameters",
+    [
+        {"lr": 1e-2, "weight_decay": 0.1, "max_grad_norm": 0.5},
+        {"lr": 3e-3, "betas": (0.3, 0.95), "weight_decay": 0.0, "maximize": True},
+    ],
+    ids=["clipped", "small beta1, maximised"],
+)
+def test_the_one_pass_update_gives_the_kernels_bits(
+    tmp_path: Path, hyperparameters: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An int8-compensated sub-group of bf16 parameters is updated in one pass over its packed
+    state on a CPU: the bits of unpacking, torch's fused AdamW (its vector body and its scalar
+    tail: parameters of lengths off its vector width), rounding and packing, with parameters
+    without a gradient on some steps and several parameters in one quantisation block."""
+    if torch.backends.cpu.get_cpu_capability() not in TORCH_VECTOR or shutil.which("c++") is None:
+        pytest.skip("torch's AdamW kernel here is not one the one-pass update reproduces, or no C++ compiler")
+    shapes = [(1001,), (37, 13), (600,), (5,), (256,), (3, 7), *[(7,)] * 40]  # 7: all tail
+    ran: list[bool] = []
+
+    def counted(*arguments: Any) -> bool:
+        ran.append(adamw_int8_compensated(*arguments))
+        return ran[-1]
+
+    runs = []
+    for one_pass in (True, False):
+        monkeypatch.setattr(
+            adamw_module, "adamw_int8_compensated", counted if one_pass else lambda *arguments: False
+        )
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape).to(torch.bfloat16)) for shape in shapes]
+        with make_store(tmp_path, "dram") as store:
+            optimizer = OffloadedAdamW(
+                params, store, sub_group_size=700, state_precision="int8-compensated", **hyperparameters
+            )
+            for step in range(6):
+                for number, param in enumerate(params):
+                    has_grad = (number + step) % 4 != 0
+                    param.grad = (torch.randn(param.shape) * (step + 1)).bfloat16() if has_grad else None
+                optimizer.step()
+            stored = [optimizer.stager.read(sg.index).clone() for sg in optimizer.subgroups]
+            optimizer.close()
+        runs.append(([param.detach().clone() for param in params], stored))
+    assert ran and all(ran)  # every sub-group's every step took the one pass
+    (ours, ours_stored), (theirs, theirs_stored) = runs
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert torch.equal(mine.view(torch.int16), reference.view(torch.int16))
+    for mine, reference in zip(ours_stored, theirs_stored, strict=True):
+        assert torch.equal(mine.view(torch.int32), reference.view(torch.int32))
