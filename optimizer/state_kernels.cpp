@@ -266,11 +266,12 @@ void tierstore_dequantise(const uint8_t* codes, const float* absmax, int64_t cou
 // One AdamW step of a sub-group stored with int8 moments and a compensated bf16 master, block by
 // block in the CPU's cache: the moments unpacked, the master the parameter plus its compensation,
 // torch's fused AdamW (AdamW above), the parameter the master rounded, the compensation what it
-// lost, the moments packed again. Each piece is a parameter's elements in the sub-group; elements of
-// no piece keep their moments, with a compensation of zero. Returns 0 where the CPU has no AVX2 and
-// FMA (nothing is done: the caller runs the kernels one by one).
+// lost, the moments packed again: the elements [first, numel) (first a multiple of kBlock). Each piece
+// is a parameter's elements in the sub-group, in order; elements of no piece keep their moments,
+// with a compensation of zero. Returns 0 where the CPU has no AVX2 and FMA (nothing is done: the
+// caller runs the kernels one by one).
 int tierstore_adamw_int8_compensated(uint8_t* codes_m, float* absmax_m, uint8_t* codes_v, float* absmax_v,
-                                     uint16_t* compensation, int64_t numel, const PieceStep* pieces,
+                                     uint16_t* compensation, int64_t first, int64_t numel, const PieceStep* pieces,
                                      int64_t count, const AdamW* hyper, const float* signed_table,
                                      const float* unsigned_table, const int32_t* signed_buckets,
                                      const int32_t* unsigned_buckets) {
@@ -278,20 +279,20 @@ int tierstore_adamw_int8_compensated(uint8_t* codes_m, float* absmax_m, uint8_t*
     if (!kHasAvx2 || !__builtin_cpu_supports("fma")) return 0;
     alignas(32) float m[kBlock], v[kBlock];
     int64_t next = 0;  // the first piece that may reach the block
-    for (int64_t start = 0; start < numel; start += kBlock) {
+    for (int64_t start = first; start < numel; start += kBlock) {
         int64_t length = numel - start < kBlock ? numel - start : kBlock;
+        while (next < count && pieces[next].offset + pieces[next].length <= start) ++next;
         dequantise_block_avx2(codes_m + start, length, absmax_m[start / kBlock], signed_table, m);
         dequantise_block_avx2(codes_v + start, length, absmax_v[start / kBlock], unsigned_table, v);
         int64_t covered = start;
         for (int64_t p = next; p < count && pieces[p].offset < start + length; ++p) {
             const PieceStep& piece = pieces[p];
-            int64_t first = piece.offset > start ? piece.offset : start;
+            int64_t from = piece.offset > start ? piece.offset : start;
             int64_t end = piece.offset + piece.length < start + length ? piece.offset + piece.length : start + length;
-            if (first >= end) continue;
-            for (int64_t e = covered; e < first; ++e) compensation[e] = 0;
-            step_piece(piece, first, end, m - start, v - start, compensation, *hyper);
+            if (from >= end) continue;
+            for (int64_t e = covered; e < from; ++e) compensation[e] = 0;
+            step_piece(piece, from, end, m - start, v - start, compensation, *hyper);
             covered = end;
-            if (piece.offset + piece.length <= start + length) next = p + 1;
         }
         for (int64_t e = covered; e < start + length; ++e) compensation[e] = 0;
         quantise_block_avx2(m, length, codes_m + start, absmax_m + start / kBlock, signed_buckets, -1);

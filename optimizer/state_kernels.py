@@ -206,7 +206,7 @@ def _native() -> ctypes.CDLL | None:
         "tierstore_dequantise": [pointer, pointer, count, pointer, pointer],
         "tierstore_compensate_bf16": [pointer, count, pointer],
         "tierstore_compensated_master_bf16": [pointer, pointer, count, pointer],
-        "tierstore_adamw_int8_compensated": [*[pointer] * 5, count, pointer, count, *[pointer] * 5],
+        "tierstore_adamw_int8_compensated": [*[pointer] * 5, count, count, pointer, count, *[pointer] * 5],
     }
     for name, arguments in signatures.items():
         function = getattr(native, name)
@@ -456,18 +456,24 @@ def adamw_int8_compensated(
     tables = [_dequantisation_table(True), _dequantisation_table(False)]
     buckets = [_bucket_table(True, compensation.device), _bucket_table(False, compensation.device)]
     (codes_m, absmax_m), (codes_v, absmax_v) = moments
-    return bool(
-        native.tierstore_adamw_int8_compensated(
-            codes_m.data_ptr(),
-            absmax_m.data_ptr(),
-            codes_v.data_ptr(),
-            absmax_v.data_ptr(),
-            compensation.data_ptr(),
-            compensation.numel(),
-            ctypes.cast(steps, ctypes.c_void_p),
-            len(pieces),
-            ctypes.addressof(hyper),
-            *(t.data_ptr() for t in tables),
-            *(t.data_ptr() for t in buckets),
-        )
+    ran: list[int] = []
+    _in_parallel(  # whole blocks per thread: each thread's blocks and their pieces are its own
+        compensation.numel(),
+        lambda start, stop: ran.append(
+            native.tierstore_adamw_int8_compensated(
+                codes_m.data_ptr(),
+                absmax_m.data_ptr(),
+                codes_v.data_ptr(),
+                absmax_v.data_ptr(),
+                compensation.data_ptr(),
+                start,
+                stop,
+                ctypes.cast(steps, ctypes.c_void_p),
+                len(pieces),
+                ctypes.addressof(hyper),
+                *(t.data_ptr() for t in tables),
+                *(t.data_ptr() for t in buckets),
+            )
+        ),
     )
+    return all(ran)

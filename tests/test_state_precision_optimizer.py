@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 from tierstore.checkpoint import TieredStorageReader, TieredStorageWriter
-from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO
+from tierstore.optimizer import OffloadedAdamW, OffloadedAPOLLO, state_kernels
 from tierstore.optimizer import adamw as adamw_module
 from tierstore.optimizer.device import DeviceStager
 from tierstore.optimizer.gradients import GRADIENT_CHUNK
-from tierstore.optimizer.state_kernels import TORCH_VECTOR, adamw_int8_compensated
+from tierstore.optimizer.state_kernels import BLOCK, TORCH_VECTOR, adamw_int8_compensated
 from tierstore.optimizer.state_precision import PRESETS, fp32_state_dict, spans
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
@@ -355,8 +355,9 @@ def test_the_cpu_paths_spans_give_the_whole_sub_groups_bits(tmp_path: Path) -> N
     [
         {"lr": 1e-2, "weight_decay": 0.1, "max_grad_norm": 0.5},
         {"lr": 3e-3, "betas": (0.3, 0.95), "weight_decay": 0.0, "maximize": True},
+        {"lr": 1e-2, "weight_decay": 0.1, "compute_threads": 3},
     ],
-    ids=["clipped", "small beta1, maximised"],
+    ids=["clipped", "small beta1, maximised", "blocks shared among 3 threads"],
 )
 def test_the_one_pass_update_gives_the_kernels_bits(
     tmp_path: Path, hyperparameters: dict[str, Any], monkeypatch: pytest.MonkeyPatch
@@ -368,6 +369,7 @@ def test_the_one_pass_update_gives_the_kernels_bits(
     if torch.backends.cpu.get_cpu_capability() not in TORCH_VECTOR or shutil.which("c++") is None:
         pytest.skip("torch's AdamW kernel here is not one the one-pass update reproduces, or no C++ compiler")
     shapes = [(1001,), (37, 13), (600,), (5,), (256,), (3, 7), *[(7,)] * 40]  # 7: all tail
+    monkeypatch.setattr(state_kernels, "PARALLEL_MIN_NUMEL", BLOCK)  # threads share small sub-groups too
     ran: list[bool] = []
 
     def counted(*arguments: Any) -> bool:
