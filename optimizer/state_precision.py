@@ -21,7 +21,9 @@ fp32 moments, 12 bytes per parameter each way (8 for an fp32 parameter, its own 
 Each sub-group is dequantised into fp32, updated by the optimizer's own fp32 kernel and quantised
 back, so blocks never straddle sub-groups (each row's blocks start at the sub-group's start); the
 CPU path does so a span of it at a time ([`spans`][]), while the span's fp32 state is in the CPU's
-cache. The kernels are in [`tierstore.optimizer.state_kernels`][].
+cache, or, for ``"int8-compensated"`` bf16 parameters under AdamW, a block at a time in one pass
+([`adamw_int8_compensated`][tierstore.optimizer.state_kernels.adamw_int8_compensated], the same
+bits). The kernels are in [`tierstore.optimizer.state_kernels`][].
 """
 
 from __future__ import annotations
